@@ -1,0 +1,149 @@
+"""Holdfast settings, read from the environment (DESIGN §7).
+
+Nothing here needs editing to run Holdfast: every knob is an environment variable with a
+safe default, so a fresh clone runs on the embedded SQLite database under ``var/``.
+"""
+
+import os
+import secrets
+from pathlib import Path
+
+import dj_database_url
+from django.core.exceptions import ImproperlyConfigured
+
+BASE_DIR = Path(__file__).resolve().parent.parent
+VAR_DIR = Path(os.environ.get("HOLDFAST_VAR_DIR", BASE_DIR / "var"))
+
+
+def env_bool(name: str, default: bool = False) -> bool:
+    value = os.environ.get(name)
+    if value is None or value == "":
+        return default
+    return value.strip().lower() in {"1", "true", "yes", "on"}
+
+
+def env_number(name: str, default: float) -> float:
+    value = os.environ.get(name)
+    if value is None or value == "":
+        return default
+    try:
+        number = float(value)
+    except ValueError:
+        raise ImproperlyConfigured(f"{name} must be a number, got {value!r}") from None
+    if number < 0:
+        raise ImproperlyConfigured(f"{name} must not be negative, got {value!r}")
+    return number
+
+
+def local_secret_key() -> str:
+    """Return the development key kept in ``var/secret_key``, creating it once (mode 0600).
+
+    There is deliberately no insecure built-in key: production sets DJANGO_SECRET_KEY.
+    """
+    path = VAR_DIR / "secret_key"
+    try:
+        return path.read_text().strip()
+    except FileNotFoundError:
+        pass
+    VAR_DIR.mkdir(parents=True, exist_ok=True)
+    key = secrets.token_urlsafe(50)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:  # another process won the race; use its key
+        return path.read_text().strip()
+    with os.fdopen(fd, "w") as handle:
+        handle.write(key)
+    return key
+
+
+SECRET_KEY = os.environ.get("DJANGO_SECRET_KEY") or local_secret_key()
+DEBUG = env_bool("DJANGO_DEBUG")
+ALLOWED_HOSTS = [
+    host.strip()
+    for host in os.environ.get("DJANGO_ALLOWED_HOSTS", "localhost,127.0.0.1,testserver").split(",")
+    if host.strip()
+]
+
+INSTALLED_APPS = [
+    "django.contrib.contenttypes",
+    "django.contrib.auth",
+    "rest_framework",
+    "jobs",
+    "ingestion",
+    "demo",
+]
+
+MIDDLEWARE = [
+    "django.middleware.security.SecurityMiddleware",
+    "django.middleware.common.CommonMiddleware",
+]
+
+ROOT_URLCONF = "config.urls"
+WSGI_APPLICATION = "config.wsgi.application"
+ASGI_APPLICATION = "config.asgi.application"
+
+
+def database_config() -> dict:
+    url = os.environ.get("DATABASE_URL", "").strip()
+    if not url:
+        VAR_DIR.mkdir(parents=True, exist_ok=True)
+        url = f"sqlite:///{VAR_DIR / 'holdfast.sqlite3'}"
+    try:
+        config = dict(dj_database_url.parse(url))
+    except Exception as exc:  # dj-database-url raises several types for bad URLs
+        raise ImproperlyConfigured(f"DATABASE_URL is not a usable database URL: {exc}") from None
+    engine = config["ENGINE"]
+    if engine == "django.db.backends.sqlite3":
+        # WAL lets readers run beside one writer; IMMEDIATE takes the write lock at BEGIN,
+        # so two processes never deadlock upgrading read locks; the busy timeout makes
+        # the loser wait instead of failing.
+        config["OPTIONS"] = {
+            "transaction_mode": "IMMEDIATE",
+            "timeout": 20,
+            "init_command": "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;",
+        }
+        name = str(config["NAME"])
+        config["TEST"] = {"NAME": f"{name.removesuffix('.sqlite3')}-test.sqlite3"}
+    elif engine == "django.db.backends.postgresql":
+        # Workers keep their connection across jobs; health checks replace dead ones.
+        config["CONN_MAX_AGE"] = None
+        config["CONN_HEALTH_CHECKS"] = True
+        test_url = os.environ.get("TEST_DATABASE_URL", "").strip()
+        if test_url:
+            config["TEST"] = {"NAME": dj_database_url.parse(test_url)["NAME"]}
+    else:
+        raise ImproperlyConfigured(
+            f"DATABASE_URL must name PostgreSQL or SQLite, got engine {engine!r}"
+        )
+    return config
+
+
+DATABASES = {"default": database_config()}
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+
+USE_TZ = True
+TIME_ZONE = "UTC"
+LANGUAGE_CODE = "en-us"
+USE_I18N = False
+
+TEMPLATES: list[dict] = []
+
+# Holdfast (DESIGN §7)
+HOLDFAST_SHUTDOWN_GRACE_SECONDS = env_number("HOLDFAST_SHUTDOWN_GRACE_SECONDS", 25)
+HOLDFAST_LEASE_SECONDS = env_number("HOLDFAST_LEASE_SECONDS", 60)
+HOLDFAST_POLL_SECONDS = env_number("HOLDFAST_POLL_SECONDS", 1)
+HOLDFAST_RECLAIM_SECONDS = env_number("HOLDFAST_RECLAIM_SECONDS", 5)
+HOLDFAST_SPOOL_DIR = Path(os.environ.get("HOLDFAST_SPOOL_DIR", VAR_DIR / "spool"))
+HOLDFAST_BLOB_DIR = Path(os.environ.get("HOLDFAST_BLOB_DIR", VAR_DIR / "blobs"))
+HOLDFAST_LANES: dict[str, dict] = {"default": {}}
+
+LOG_FORMAT = os.environ.get("LOG_FORMAT", "").strip().lower() or None
+LOG_LEVEL = os.environ.get("LOG_LEVEL", "INFO").strip().upper() or "INFO"
+if LOG_FORMAT not in (None, "json", "console"):
+    raise ImproperlyConfigured(f"LOG_FORMAT must be 'json' or 'console', got {LOG_FORMAT!r}")
+
+REST_FRAMEWORK = {
+    "DEFAULT_RENDERER_CLASSES": ["rest_framework.renderers.JSONRenderer"],
+    "DEFAULT_PARSER_CLASSES": ["rest_framework.parsers.JSONParser"],
+    "UNAUTHENTICATED_USER": None,
+}

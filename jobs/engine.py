@@ -1,0 +1,528 @@
+"""The job engine: the only code that changes a job's state.
+
+Each transition is one statement or one ``transaction.atomic()`` block whose guard
+(``state``, ``lease_token``, lease expiry) is visible where it is written. The hot-path
+statements (claim, settle) are in ``jobs.sql``; the rest is ORM. Every transition logs
+one structlog event.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import socket
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+from django.db import IntegrityError, connection, transaction
+from django.db.models import F, Q, Subquery
+from django.db.models.functions import Now
+from django.utils import timezone
+
+from . import lanes as lane_config
+from . import sql
+from .exceptions import (
+    InvalidJob,
+    JobNotFound,
+    LaneFull,
+    LeaseLost,
+    StateConflict,
+)
+from .log import get_logger
+from .models import ACTIVE_STATES, Job, Lease, Outcome, State, Worker
+from .registry import HandlerSpec, get_handler
+from .sql import Claimed, Settlement
+
+log = get_logger("jobs.engine")
+
+NOTIFY_CHANNEL = "holdfast_jobs"
+MAX_ERROR_MESSAGE = 10_000
+MAX_TRACEBACK = 50_000
+
+
+# --- enqueue ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class EnqueueOptions:
+    lane: str | None = None
+    priority: int = 0
+    delay: float | None = None
+    run_at: datetime | None = None
+    unique_key: str | None = None
+    max_attempts: int | None = None
+
+
+def enqueue(
+    kind: str,
+    args: dict[str, Any] | None = None,
+    *,
+    lane: str | None = None,
+    priority: int = 0,
+    delay: float | timedelta | None = None,
+    run_at: datetime | None = None,
+    unique_key: str | None = None,
+    max_attempts: int | None = None,
+) -> Job | None:
+    """Enqueue one job inside the caller's transaction: it exists iff the caller commits.
+
+    With a ``unique_key`` (or a handler declared ``unique=True``), an existing queued or
+    running job with that key is returned instead of a new one. Returns None only when the
+    lane is full and its ``on_full`` policy is ``drop``.
+    """
+    jobs = enqueue_many(
+        kind,
+        [args if args is not None else {}],
+        lane=lane,
+        priority=priority,
+        delay=delay,
+        run_at=run_at,
+        unique_key=unique_key,
+        max_attempts=max_attempts,
+    )
+    return jobs[0] if jobs else None
+
+
+def enqueue_many(
+    kind: str,
+    args_list: Iterable[dict[str, Any]],
+    *,
+    lane: str | None = None,
+    priority: int = 0,
+    delay: float | timedelta | None = None,
+    run_at: datetime | None = None,
+    unique_key: str | None = None,
+    max_attempts: int | None = None,
+) -> list[Job]:
+    """Enqueue one job per args dict with the same options; returns the jobs in order."""
+    spec = get_handler(kind)
+    args_list = [_validated_args(args) for args in args_list]
+    if unique_key is not None and len(args_list) > 1:
+        raise InvalidJob("unique_key names one job; it cannot be shared by enqueue_many")
+    chosen = lane_config.resolve(kind, lane, spec.lane)
+    if not args_list:
+        return []
+    attempts_budget = _validated_max_attempts(max_attempts, spec)
+    _validated_priority(priority)
+    when = _run_at_expression(delay, run_at)
+    if chosen.max_queued is not None:
+        queued = Job.objects.filter(lane=chosen.name, state=State.QUEUED).count()
+        if queued + len(args_list) > chosen.max_queued:
+            message = f"lane {chosen.name!r} is full ({queued} of {chosen.max_queued} queued)"
+            if chosen.on_full == "drop":
+                log.warning("job_dropped", kind=kind, lane=chosen.name, count=len(args_list))
+                return []
+            raise LaneFull(message)
+    jobs = [
+        Job(
+            kind=kind,
+            lane=chosen.name,
+            args=args,
+            priority=priority,
+            max_attempts=attempts_budget,
+            lease_seconds=_lease_seconds(spec),
+            unique_key=unique_key or (_args_key(kind, args) if spec.unique else None),
+            **({"run_at": when} if when is not None else {}),
+        )
+        for args in args_list
+    ]
+    with transaction.atomic():
+        if len(jobs) == 1 and jobs[0].unique_key is not None:
+            created = [_create_unique(jobs[0])]
+        else:
+            created = Job.objects.bulk_create(jobs, batch_size=5000)
+        _notify(chosen.name)
+    if len(created) > 100:  # one line per bulk call, not per job
+        log.info("jobs_enqueued", kind=kind, lane=chosen.name, count=len(created))
+    else:
+        for job in created:
+            log.info("job_enqueued", job_id=job.pk, kind=kind, lane=job.lane)
+    return created
+
+
+def _create_unique(job: Job) -> Job:
+    """Insert ``job`` unless an active job holds its unique key; then return that one."""
+    try:
+        with transaction.atomic():
+            job.save(force_insert=True)
+            return job
+    except IntegrityError:
+        existing = Job.objects.filter(unique_key=job.unique_key, state__in=ACTIVE_STATES).first()
+        if existing is None:  # the holder finished between our insert and this read
+            job.save(force_insert=True)
+            return job
+        log.info("job_deduplicated", job_id=existing.pk, unique_key=job.unique_key)
+        return existing
+
+
+def _validated_args(args: Any) -> dict[str, Any]:
+    if not isinstance(args, dict):
+        raise InvalidJob(f"job args must be a JSON object, not {type(args).__name__}")
+    try:
+        return json.loads(json.dumps(args))
+    except (TypeError, ValueError) as exc:
+        raise InvalidJob(f"job args are not JSON-serializable: {exc}") from None
+
+
+def _validated_max_attempts(max_attempts: int | None, spec: HandlerSpec) -> int:
+    if max_attempts is None:
+        return spec.max_attempts
+    if not isinstance(max_attempts, int) or max_attempts < 1:
+        raise InvalidJob(f"max_attempts must be a positive integer, not {max_attempts!r}")
+    return max_attempts
+
+
+def _validated_priority(priority: int) -> None:
+    if not isinstance(priority, int) or not -32768 <= priority <= 32767:
+        raise InvalidJob(f"priority must be an integer from -32768 to 32767, not {priority!r}")
+
+
+def _run_at_expression(delay: float | timedelta | None, run_at: datetime | None) -> Any:
+    if delay is not None and run_at is not None:
+        raise InvalidJob("give delay or run_at, not both")
+    if run_at is not None:
+        if timezone.is_naive(run_at):
+            raise InvalidJob("run_at must be timezone-aware")
+        return run_at
+    if delay is None:
+        return None  # the column's default: the database clock
+    seconds = delay.total_seconds() if isinstance(delay, timedelta) else float(delay)
+    if seconds < 0:
+        raise InvalidJob("delay must not be negative")
+    return Now() + timedelta(seconds=seconds)
+
+
+def _lease_seconds(spec: HandlerSpec) -> float:
+    from django.conf import settings
+
+    return float(spec.lease_seconds or settings.HOLDFAST_LEASE_SECONDS)
+
+
+def _args_key(kind: str, args: dict[str, Any]) -> str:
+    digest = hashlib.sha256(json.dumps(args, sort_keys=True).encode()).hexdigest()
+    return f"{kind}:{digest[:32]}"
+
+
+def _notify(lane: str) -> None:
+    """Wake idle PostgreSQL workers; NOTIFY is delivered only if the transaction commits."""
+    if sql.is_postgres():
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT pg_notify(%s, %s)", [NOTIFY_CHANNEL, lane])
+
+
+# --- claim and settle ------------------------------------------------------------------
+
+
+def job_log_context(job: Claimed, worker_id: str) -> dict[str, Any]:
+    return {
+        "job_id": job.id,
+        "kind": job.kind,
+        "lane": job.lane,
+        "attempt": job.attempt,
+        "lease_token": job.lease_token,
+        "worker_id": worker_id,
+    }
+
+
+def claim(worker_id: str, lanes: Sequence[str] | None = None) -> Claimed | None:
+    """Claim the best runnable job under a fresh lease (I1): one atomic statement."""
+    job = sql.claim(worker_id, lanes)
+    if job is not None:
+        log.info(
+            "job_claimed",
+            expires_at=job.lease_expires_at.isoformat(),
+            **job_log_context(job, worker_id),
+        )
+    return job
+
+
+def complete(job: Claimed, result: Any = None) -> None:
+    """Mark ``job`` succeeded, fenced by its lease token; raise LeaseLost otherwise.
+
+    Called inside ``ctx.atomic(complete=True)`` it commits together with the handler's
+    writes (I4).
+    """
+    _settle(
+        job,
+        Settlement(state=State.SUCCEEDED, outcome=Outcome.SUCCEEDED, result=result),
+        "job_succeeded",
+    )
+
+
+@dataclass(frozen=True)
+class Failure:
+    error_class: str
+    message: str
+    traceback: str
+    context: dict[str, Any]
+    permanent: bool = False
+
+
+def fail(job: Claimed, failure: Failure, backoff_seconds: float) -> str:
+    """Record a failed attempt: retry after ``backoff_seconds``, or ``dead`` when spent.
+
+    Returns the job's new state. Raises LeaseLost when the lease no longer holds.
+    """
+    dead = failure.permanent or job.attempt >= job.max_attempts
+    how = Settlement(
+        state=State.DEAD if dead else State.QUEUED,
+        outcome=Outcome.FAILED,
+        delay=0.0 if dead else max(0.0, backoff_seconds),
+        last_error=f"{failure.error_class}: {failure.message}"[:MAX_ERROR_MESSAGE],
+        error_class=failure.error_class,
+        error_message=failure.message[:MAX_ERROR_MESSAGE],
+        traceback=failure.traceback[-MAX_TRACEBACK:],
+        context=failure.context,
+    )
+    event = "job_dead" if dead else "job_retry_scheduled"
+    _settle(job, how, event, error=how.last_error, retry_in=None if dead else round(how.delay, 3))
+    return how.state
+
+
+def release(job: Claimed) -> None:
+    """Give the job back on graceful shutdown: queued again, this attempt not charged."""
+    _settle(
+        job, Settlement(state=State.QUEUED, outcome=Outcome.RELEASED, uncharge=True), "job_released"
+    )
+
+
+def cancelled(job: Claimed) -> None:
+    """The handler honoured a cancellation request: the job ends ``cancelled``."""
+    _settle(
+        job,
+        Settlement(
+            state=State.CANCELLED,
+            outcome=Outcome.CANCELLED,
+            last_error="cancelled at the operator's request",
+        ),
+        "job_cancelled",
+    )
+
+
+def _settle(job: Claimed, how: Settlement, event: str, **fields: Any) -> None:
+    if not sql.settle(job, how):
+        log.warning("lease_lost", during=event, job_id=job.id, lease_token=job.lease_token)
+        raise LeaseLost(f"job {job.id} is no longer running under lease {job.lease_token}")
+    log.info(
+        event,
+        job_id=job.id,
+        kind=job.kind,
+        lane=job.lane,
+        attempt=job.attempt,
+        lease_token=job.lease_token,
+        **fields,
+    )
+
+
+def fence(job_id: int, lease_token: int) -> None:
+    """Inside a transaction: lock the job row iff it is still ours, else raise LeaseLost.
+
+    The row lock (an UPDATE, so it works on both databases) holds until the transaction
+    ends, so a reclaim cannot interleave with the block that called this.
+    """
+    matched = Job.objects.filter(pk=job_id, state=State.RUNNING, lease_token=lease_token).update(
+        updated_at=Now()
+    )
+    if matched != 1:
+        raise LeaseLost(f"job {job_id} is no longer running under lease {lease_token}")
+
+
+def record_progress(job: Claimed, done: int, total: int | None, note: str) -> None:
+    """Store the handler's progress report; call inside a fenced ``ctx.atomic()``."""
+    Job.objects.filter(pk=job.id, state=State.RUNNING, lease_token=job.lease_token).update(
+        progress={"done": done, "total": total, "note": note}, updated_at=Now()
+    )
+    log.info("job_progress", job_id=job.id, done=done, total=total, note=note)
+
+
+def heartbeat(job: Claimed) -> bool:
+    """Renew the lease from the database clock; returns whether a cancel was requested."""
+    expires = Now() + timedelta(seconds=job.lease_seconds)
+    with transaction.atomic():
+        if sql.is_postgres():
+            # A lost heartbeat only shortens a lease; it need not wait for fsync.
+            with connection.cursor() as cursor:
+                cursor.execute("SET LOCAL synchronous_commit = off")
+        matched = Job.objects.filter(
+            pk=job.id, state=State.RUNNING, lease_token=job.lease_token
+        ).update(lease_expires_at=expires, heartbeat_at=Now())
+        if matched != 1:
+            raise LeaseLost(f"job {job.id} is no longer running under lease {job.lease_token}")
+        Lease.objects.filter(pk=job.lease_id).update(
+            expires_at=Subquery(Job.objects.filter(pk=job.id).values("lease_expires_at")[:1])
+        )
+        return bool(
+            Job.objects.filter(pk=job.id).values_list("cancel_requested", flat=True).first()
+        )
+
+
+# --- recovery --------------------------------------------------------------------------
+
+
+def reclaim_expired(limit: int = 500) -> list[int]:
+    """Put ``running`` jobs whose lease expired back in the queue (or ``dead`` when spent).
+
+    The UPDATE re-checks ``state = 'running'`` and the expiry against the database clock
+    row by row, so it never clobbers a job that was completed or renewed meanwhile.
+    """
+    reclaimed: list[int] = []
+    with transaction.atomic():
+        expired = list(
+            Job.objects.filter(state=State.RUNNING, lease_expires_at__lt=Now())
+            .order_by("lease_expires_at")
+            .values_list(
+                "pk", "lease_token", "attempts", "max_attempts", "kind", "lane", "leased_by"
+            )[:limit]
+        )
+        for pk, token, attempts, max_attempts, kind, lane, leased_by in expired:
+            spent = attempts >= max_attempts
+            message = f"LeaseExpired: worker {leased_by} stopped renewing lease {token}"
+            matched = Job.objects.filter(
+                pk=pk, state=State.RUNNING, lease_token=token, lease_expires_at__lt=Now()
+            ).update(
+                state=State.DEAD if spent else State.QUEUED,
+                run_at=Now(),
+                last_error=message,
+                finished_at=Now() if spent else None,
+                leased_by=None,
+                lease_expires_at=None,
+                updated_at=Now(),
+            )
+            if matched != 1:
+                continue
+            Lease.objects.filter(job_id=pk, lease_token=token).update(
+                outcome=Outcome.LEASE_EXPIRED,
+                released_at=Now(),
+                error_class="LeaseExpired",
+                error_message=message,
+            )
+            reclaimed.append(pk)
+            log.warning(
+                "lease_reclaimed",
+                job_id=pk,
+                kind=kind,
+                lane=lane,
+                attempt=attempts,
+                lease_token=token,
+                worker_id=leased_by,
+                new_state="dead" if spent else "queued",
+            )
+    return reclaimed
+
+
+# --- operator actions ------------------------------------------------------------------
+
+
+def get_job(job_id: int) -> Job:
+    try:
+        return Job.objects.get(pk=job_id)
+    except Job.DoesNotExist:
+        raise JobNotFound(f"no job with id {job_id}") from None
+
+
+def dead_jobs(
+    ids: Sequence[int] = (), kind: str | None = None, lane: str | None = None
+) -> list[Job]:
+    """The dead jobs an operator selected (by id, kind and/or lane), oldest first."""
+    query = Q(state=State.DEAD)
+    if ids:
+        query &= Q(pk__in=ids)
+    if kind:
+        query &= Q(kind=kind)
+    if lane:
+        query &= Q(lane=lane)
+    return list(Job.objects.filter(query).order_by("pk"))
+
+
+def requeue_dead(jobs: Sequence[Job], actor: str = "operator") -> list[int]:
+    """Move dead jobs back to ``queued`` with a fresh attempt budget.
+
+    ``attempts`` keeps counting (each attempt's record stays numbered uniquely); the
+    budget grows by the handler's ``max_attempts`` from the attempts spent so far.
+    """
+    requeued: list[int] = []
+    with transaction.atomic():
+        for job in jobs:
+            budget = _requeue_budget(job.kind)
+            matched = Job.objects.filter(pk=job.pk, state=State.DEAD).update(
+                state=State.QUEUED,
+                run_at=Now(),
+                max_attempts=F("attempts") + budget,
+                finished_at=None,
+                cancel_requested=False,
+                updated_at=Now(),
+            )
+            if matched == 1:
+                requeued.append(job.pk)
+                log.info("job_requeued", job_id=job.pk, kind=job.kind, lane=job.lane, by=actor)
+        if requeued:
+            _notify_lanes({job.lane for job in jobs if job.pk in requeued})
+    return requeued
+
+
+def requeue_one(job_id: int, actor: str = "operator") -> Job:
+    job = get_job(job_id)
+    if not requeue_dead([job], actor=actor):
+        raise StateConflict(f"job {job_id} is {job.state}, not dead: nothing to requeue")
+    return get_job(job_id)
+
+
+def _requeue_budget(kind: str) -> int:
+    from .exceptions import UnknownKind
+
+    try:
+        return get_handler(kind).max_attempts
+    except UnknownKind:
+        from .registry import DEFAULT_MAX_ATTEMPTS
+
+        return DEFAULT_MAX_ATTEMPTS
+
+
+def _notify_lanes(lanes: Iterable[str]) -> None:
+    for lane in sorted(lanes):
+        _notify(lane)
+
+
+# --- workers ---------------------------------------------------------------------------
+
+
+def default_worker_id() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+def register_worker(worker_id: str, lanes: Sequence[str] | None) -> None:
+    Worker.objects.update_or_create(
+        pk=worker_id,
+        defaults={
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "lanes": list(lanes) if lanes is not None else [],
+            "started_at": Now(),
+            "heartbeat_at": Now(),
+            "stopped_at": None,
+            "current_job": None,
+        },
+    )
+    log.info("worker_started", worker_id=worker_id, lanes=list(lanes) if lanes else "all")
+
+
+def worker_heartbeat(worker_id: str, current_job: int | None) -> None:
+    Worker.objects.filter(pk=worker_id).update(heartbeat_at=Now(), current_job=current_job)
+
+
+def worker_stopped(worker_id: str) -> None:
+    Worker.objects.filter(pk=worker_id).update(stopped_at=Now(), current_job=None)
+    log.info("worker_stopped", worker_id=worker_id)
+
+
+def db_now() -> datetime:
+    """The database clock: lease and age arithmetic never trusts a worker's clock."""
+    if sql.is_postgres():
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT statement_timestamp()")
+            (now,) = cursor.fetchone()
+            return now
+    return timezone.now()  # SQLite runs on this host: its clock is the database's

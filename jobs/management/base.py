@@ -1,0 +1,58 @@
+"""What every Holdfast command shares: ``--json`` output and the exit-code contract.
+
+Exit 0 on success, 1 when the operation failed (or conflicts with a job's state), 2 for
+usage errors and bad input, always with a one-line reason on stderr and no traceback.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from django.core.management.base import BaseCommand, CommandError, CommandParser
+from django.db import DatabaseError
+
+from jobs.exceptions import (
+    InvalidJob,
+    JobNotFound,
+    LaneFull,
+    LaneRefused,
+    StateConflict,
+    UnknownKind,
+)
+
+BAD_INPUT = (InvalidJob, JobNotFound, LaneRefused, UnknownKind, ValueError)
+FAILED = (StateConflict, LaneFull)
+
+
+def bad_input(message: str) -> CommandError:
+    return CommandError(message, returncode=2)
+
+
+def failed(message: str) -> CommandError:
+    return CommandError(message, returncode=1)
+
+
+class JobsCommand(BaseCommand):
+    """A command with ``--json`` whose engine errors map onto the exit-code contract."""
+
+    requires_system_checks: list[str] = []
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        parser.add_argument("--json", action="store_true", dest="as_json", help="print JSON")
+
+    def execute(self, *args: Any, **options: Any) -> str | None:
+        try:
+            return super().execute(*args, **options)
+        except CommandError:
+            raise
+        except BAD_INPUT as exc:
+            raise bad_input(str(exc)) from None
+        except FAILED as exc:
+            raise failed(str(exc)) from None
+        except DatabaseError as exc:
+            first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
+            raise failed(f"database error: {first_line}") from None
+
+    def emit_json(self, data: Any) -> None:
+        self.stdout.write(json.dumps(data, indent=2, default=str))

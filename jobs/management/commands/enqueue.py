@@ -1,0 +1,54 @@
+import json
+from typing import Any
+
+from django.core.management.base import CommandParser
+from django.utils.dateparse import parse_datetime
+
+from jobs.engine import enqueue
+from jobs.management.base import JobsCommand, bad_input
+from jobs.serialization import job_dict
+
+
+class Command(JobsCommand):
+    help = "Enqueue one job and print its id."
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        super().add_arguments(parser)
+        parser.add_argument("kind")
+        # Django pops an option named "args" from a command's options: use another dest.
+        parser.add_argument("--args", dest="job_args", default="{}", help="JSON object")
+        parser.add_argument("--lane")
+        parser.add_argument("--priority", type=int, default=0)
+        when = parser.add_mutually_exclusive_group()
+        when.add_argument("--delay", type=float, help="seconds from now")
+        when.add_argument("--run-at", help="ISO 8601 time with offset")
+        parser.add_argument("--unique-key")
+        parser.add_argument("--max-attempts", type=int)
+
+    def handle(self, *args: Any, **options: Any) -> None:
+        try:
+            job_args = json.loads(options["job_args"])
+        except json.JSONDecodeError as exc:
+            raise bad_input(f"--args is not valid JSON: {exc}") from None
+        run_at = None
+        if options["run_at"]:
+            run_at = parse_datetime(options["run_at"])
+            if run_at is None:
+                raise bad_input(f"--run-at is not an ISO 8601 time: {options['run_at']!r}")
+        job = enqueue(
+            options["kind"],
+            job_args,
+            lane=options["lane"],
+            priority=options["priority"],
+            delay=options["delay"],
+            run_at=run_at,
+            unique_key=options["unique_key"],
+            max_attempts=options["max_attempts"],
+        )
+        if job is None:
+            self.stdout.write("dropped: the lane is full and drops new jobs")
+            return
+        if options["as_json"]:
+            self.emit_json(job_dict(job))
+        else:
+            self.stdout.write(str(job.pk))

@@ -1,0 +1,40 @@
+from typing import Any
+
+from django.core.management.base import CommandParser
+
+from jobs.management.base import JobsCommand, bad_input
+from jobs.models import Job, State
+from jobs.serialization import job_dict
+
+
+class Command(JobsCommand):
+    help = "List jobs, newest first, filtered by state, lane and kind."
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        super().add_arguments(parser)
+        parser.add_argument("--state", choices=State.values)
+        parser.add_argument("--lane")
+        parser.add_argument("--kind")
+        parser.add_argument("--limit", type=int, default=50)
+
+    def handle(self, *args: Any, **options: Any) -> None:
+        if options["limit"] < 1:
+            raise bad_input("--limit must be at least 1")
+        jobs = Job.objects.order_by("-pk")
+        for field in ("state", "lane", "kind"):
+            if options[field]:
+                jobs = jobs.filter(**{field: options[field]})
+        rows = [job_dict(job) for job in jobs[: options["limit"]]]
+        if options["as_json"]:
+            self.emit_json({"count": len(rows), "jobs": rows})
+            return
+        self.stdout.write(
+            f"{'id':>8}  {'state':<10} {'lane':<12} {'attempts':>8}  kind / last error"
+        )
+        for row in rows:
+            self.stdout.write(
+                f"{row['id']:>8}  {row['state']:<10} {row['lane']:<12} "
+                f"{row['attempts']:>3}/{row['max_attempts']:<4}  {row['kind']}"
+                + (f"  — {row['last_error']}" if row["last_error"] else "")
+            )
+        self.stdout.write(f"({len(rows)} shown)")

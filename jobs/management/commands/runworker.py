@@ -1,0 +1,34 @@
+from typing import Any
+
+from django.core.management.base import CommandParser
+
+from jobs import lanes as lane_config
+from jobs.management.base import JobsCommand, bad_input
+from jobs.worker import WorkerProcess
+
+
+class Command(JobsCommand):
+    help = "Run one worker process: claim jobs one at a time, run them, settle them."
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        parser.add_argument("--lanes", help="comma-separated lanes to serve (default: all)")
+        parser.add_argument(
+            "--burst", action="store_true", help="exit 0 once no runnable job remains"
+        )
+        parser.add_argument("--worker-id", help="identity in leases and logs (default host:pid)")
+
+    def handle(self, *args: Any, **options: Any) -> None:
+        lanes = None
+        if options["lanes"]:
+            lanes = [name.strip() for name in options["lanes"].split(",") if name.strip()]
+            declared = lane_config.lanes()
+            unknown = [name for name in lanes if name not in declared]
+            if unknown or not lanes:
+                raise bad_input(
+                    f"unknown lane(s) {', '.join(unknown) or '(none given)'}; "
+                    f"declared: {', '.join(sorted(declared))}"
+                )
+        worker_id = options["worker_id"]
+        if worker_id is not None and not worker_id.strip():
+            raise bad_input("--worker-id must not be empty")
+        WorkerProcess(worker_id=worker_id, lanes=lanes, burst=options["burst"]).run()

@@ -1,0 +1,138 @@
+"""The engine's tables: jobs, the attempt record of each claim (leases), and workers.
+
+Only ``jobs.engine`` changes a job's state; these classes hold data and indexes.
+"""
+
+from __future__ import annotations
+
+from django.db import models
+from django.db.models import Q
+from django.db.models.functions import Now
+
+
+class State(models.TextChoices):
+    QUEUED = "queued"
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    DEAD = "dead"
+    CANCELLED = "cancelled"
+
+
+ACTIVE_STATES = (State.QUEUED, State.RUNNING)
+FINISHED_STATES = (State.SUCCEEDED, State.DEAD, State.CANCELLED)
+
+
+class Outcome(models.TextChoices):
+    """How one attempt (one claim) ended."""
+
+    RUNNING = "running"  # the lease is live
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"  # the handler raised; the job was retried or went dead
+    LEASE_EXPIRED = "lease_expired"  # the worker vanished; the job was reclaimed
+    RELEASED = "released"  # graceful shutdown gave the job back, not charged
+    CANCELLED = "cancelled"
+    LEASE_LOST = "lease_lost"  # the worker found out it had lost the lease
+
+
+class Job(models.Model):
+    kind = models.CharField(max_length=200)
+    lane = models.CharField(max_length=100, default="default")
+    args = models.JSONField(default=dict)
+    priority = models.SmallIntegerField(default=0)
+    state = models.CharField(max_length=16, choices=State.choices, default=State.QUEUED)
+    run_at = models.DateTimeField(db_default=Now())
+    attempts = models.PositiveIntegerField(default=0)
+    max_attempts = models.PositiveIntegerField(default=10)
+    lease_seconds = models.FloatField(default=60)
+    lease_token = models.BigIntegerField(default=0)
+    leased_by = models.CharField(max_length=200, null=True, blank=True)  # noqa: DJ001
+    lease_expires_at = models.DateTimeField(null=True, blank=True)
+    heartbeat_at = models.DateTimeField(null=True, blank=True)
+    # NULL, not "": only jobs that have a key take part in the partial unique index.
+    unique_key = models.CharField(max_length=255, null=True, blank=True)  # noqa: DJ001
+    cancel_requested = models.BooleanField(default=False)
+    result = models.JSONField(null=True, blank=True)
+    progress = models.JSONField(null=True, blank=True)
+    last_error = models.TextField(blank=True, default="")
+    created_at = models.DateTimeField(db_default=Now())
+    updated_at = models.DateTimeField(db_default=Now())
+    started_at = models.DateTimeField(null=True, blank=True)
+    finished_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        indexes = [
+            # Claim reads only runnable rows, however many finished ones the table holds.
+            models.Index(
+                fields=["lane", "-priority", "run_at", "id"],
+                name="job_claim_idx",
+                condition=Q(state="queued"),
+            ),
+            models.Index(
+                fields=["-priority", "run_at", "id"],
+                name="job_claim_any_lane_idx",
+                condition=Q(state="queued"),
+            ),
+            # Reclaim scans only running rows by expiry.
+            models.Index(
+                fields=["lease_expires_at"],
+                name="job_lease_expiry_idx",
+                condition=Q(state="running"),
+            ),
+            models.Index(fields=["state", "lane", "kind"], name="job_state_idx"),
+            models.Index(fields=["finished_at"], name="job_finished_idx"),
+        ]
+        constraints = [
+            # unique_key dedupes while a job with that key is queued or running.
+            models.UniqueConstraint(
+                fields=["unique_key"],
+                name="job_unique_key_active",
+                condition=Q(state__in=["queued", "running"]) & Q(unique_key__isnull=False),
+            ),
+            models.CheckConstraint(
+                condition=Q(state__in=[s.value for s in State]), name="job_state_valid"
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"job {self.pk} {self.kind} ({self.state})"
+
+
+class Lease(models.Model):
+    """One claim of a job: the record of that attempt, kept after it ends."""
+
+    job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="leases")
+    attempt = models.PositiveIntegerField()
+    lease_token = models.BigIntegerField()
+    worker_id = models.CharField(max_length=200)
+    acquired_at = models.DateTimeField(db_default=Now())
+    expires_at = models.DateTimeField()
+    released_at = models.DateTimeField(null=True, blank=True)
+    outcome = models.CharField(max_length=16, choices=Outcome.choices, default=Outcome.RUNNING)
+    error_class = models.CharField(max_length=300, blank=True, default="")
+    error_message = models.TextField(blank=True, default="")
+    traceback = models.TextField(blank=True, default="")
+    context = models.JSONField(default=dict, blank=True)
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["job", "lease_token"], name="lease_job_token_unique")
+        ]
+
+    def __str__(self) -> str:
+        return f"lease {self.lease_token} of job {self.job_id} ({self.outcome})"
+
+
+class Worker(models.Model):
+    """A running (or stopped) worker process and its last heartbeat."""
+
+    id = models.CharField(max_length=200, primary_key=True)
+    host = models.CharField(max_length=255)
+    pid = models.PositiveIntegerField()
+    lanes = models.JSONField(default=list, blank=True)
+    started_at = models.DateTimeField(db_default=Now())
+    heartbeat_at = models.DateTimeField(db_default=Now())
+    stopped_at = models.DateTimeField(null=True, blank=True)
+    current_job = models.BigIntegerField(null=True, blank=True)
+
+    def __str__(self) -> str:
+        return f"worker {self.id}"

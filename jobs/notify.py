@@ -1,0 +1,98 @@
+"""Wake-ups for idle workers: LISTEN/NOTIFY on PostgreSQL, plain polling otherwise.
+
+Enqueue sends ``pg_notify('holdfast_jobs', lane)`` inside its transaction, so a worker
+waiting here wakes within milliseconds of the commit. Polling every
+``HOLDFAST_POLL_SECONDS`` stays as the fallback (delayed jobs, lost notifications, a
+listener connection that broke).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Any
+
+import psycopg
+from django.db import connection
+
+from .engine import NOTIFY_CHANNEL
+from .log import get_logger
+
+log = get_logger("jobs.notify")
+
+
+class PollWaker:
+    """Sleeps until the timeout or an explicit ``wake()`` (e.g. on shutdown)."""
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+
+    def wait(self, timeout: float) -> None:
+        self._event.wait(timeout)
+        self._event.clear()
+
+    def wake(self) -> None:
+        self._event.set()
+
+    def close(self) -> None:
+        self.wake()
+
+
+class PostgresWaker(PollWaker):
+    """Waits on a dedicated LISTEN connection; falls back to polling while it is down."""
+
+    def __init__(self, settings_dict: dict[str, Any]) -> None:
+        super().__init__()
+        self._settings = settings_dict
+        self._conn: psycopg.Connection | None = None
+
+    def _connect(self) -> psycopg.Connection | None:
+        if self._conn is not None and not self._conn.closed:
+            return self._conn
+        params = {
+            "dbname": self._settings["NAME"],
+            "user": self._settings.get("USER") or None,
+            "password": self._settings.get("PASSWORD") or None,
+            "host": self._settings.get("HOST") or None,
+            "port": self._settings.get("PORT") or None,
+        }
+        try:
+            conn = psycopg.connect(
+                **{k: v for k, v in params.items() if v is not None},
+                autocommit=True,
+                connect_timeout=5,
+            )
+            conn.execute(f"LISTEN {NOTIFY_CHANNEL}")
+        except psycopg.Error as exc:
+            log.warning("listen_unavailable", error=str(exc).strip())
+            return None
+        self._conn = conn
+        return conn
+
+    def wait(self, timeout: float) -> None:
+        conn = self._connect()
+        if conn is None or self._event.is_set():
+            super().wait(timeout)
+            return
+        try:
+            for _ in conn.notifies(timeout=timeout, stop_after=1):
+                break
+        except psycopg.Error as exc:
+            log.warning("listen_lost", error=str(exc).strip())
+            self._drop()
+            super().wait(min(timeout, 1.0))
+
+    def _drop(self) -> None:
+        if self._conn is not None:
+            with contextlib.suppress(psycopg.Error):
+                self._conn.close()
+        self._conn = None
+
+    def close(self) -> None:
+        self._drop()
+
+
+def waker_for_database() -> PollWaker:
+    if connection.vendor == "postgresql":
+        return PostgresWaker(dict(connection.settings_dict))
+    return PollWaker()

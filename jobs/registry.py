@@ -1,0 +1,113 @@
+"""The handler registry: which function runs each job kind, and with which options.
+
+Handlers are registered with ``@handler(kind, ...)``. Each installed app's ``handlers.py``
+is imported on first use (like ``admin.py`` autodiscovery), so a third-party app adds job
+kinds without touching Holdfast.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from django.utils.module_loading import autodiscover_modules
+
+from .exceptions import UnknownKind
+from .retry import RetryPolicy, as_policy
+
+DEFAULT_MAX_ATTEMPTS = 10
+
+HandlerFunc = Callable[..., Any]
+LocksFunc = Callable[[dict[str, Any]], list[str]]
+
+
+@dataclass(frozen=True)
+class HandlerSpec:
+    kind: str
+    func: HandlerFunc
+    lane: str | None = None
+    max_attempts: int = DEFAULT_MAX_ATTEMPTS
+    backoff: Callable[[int], float] = field(default=as_policy(None))
+    lease_seconds: float | None = None
+    locks: LocksFunc | None = None
+    unique: bool = False
+    schedule: str | int | None = None
+
+
+_handlers: dict[str, HandlerSpec] = {}
+_discovered = False
+_lock = threading.Lock()
+
+
+def handler(
+    kind: str,
+    *,
+    lane: str | None = None,
+    max_attempts: int = DEFAULT_MAX_ATTEMPTS,
+    backoff: RetryPolicy | Callable[[int], float] | float | None = None,
+    lease_seconds: float | None = None,
+    locks: LocksFunc | None = None,
+    unique: bool = False,
+    schedule: str | int | None = None,
+) -> Callable[[HandlerFunc], HandlerFunc]:
+    """Register the decorated function as the handler of ``kind``."""
+    if not kind or len(kind) > 200:
+        raise ValueError("a job kind is a non-empty string of at most 200 characters")
+    if max_attempts < 1:
+        raise ValueError("max_attempts must be at least 1")
+    if lease_seconds is not None and lease_seconds <= 0:
+        raise ValueError("lease_seconds must be positive")
+
+    def register(func: HandlerFunc) -> HandlerFunc:
+        spec = HandlerSpec(
+            kind=kind,
+            func=func,
+            lane=lane,
+            max_attempts=max_attempts,
+            backoff=as_policy(backoff),
+            lease_seconds=lease_seconds,
+            locks=locks,
+            unique=unique,
+            schedule=schedule,
+        )
+        existing = _handlers.get(kind)
+        # A module imported twice (as __main__ and by name) re-registers the same function.
+        if existing is not None and not _same_origin(existing.func, func):
+            raise ValueError(
+                f"job kind {kind!r} already has a handler: "
+                f"{existing.func.__module__}.{existing.func.__qualname__}"
+            )
+        _handlers[kind] = spec
+        return func
+
+    return register
+
+
+def _same_origin(a: HandlerFunc, b: HandlerFunc) -> bool:
+    return (a.__module__, a.__qualname__) == (b.__module__, b.__qualname__)
+
+
+def autodiscover() -> None:
+    """Import every installed app's ``handlers`` module, once per process."""
+    global _discovered
+    if _discovered:
+        return
+    with _lock:
+        if not _discovered:
+            autodiscover_modules("handlers")
+            _discovered = True
+
+
+def get_handler(kind: str) -> HandlerSpec:
+    autodiscover()
+    try:
+        return _handlers[kind]
+    except KeyError:
+        raise UnknownKind(f"no handler is registered for job kind {kind!r}") from None
+
+
+def registered_kinds() -> list[str]:
+    autodiscover()
+    return sorted(_handlers)

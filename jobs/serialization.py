@@ -1,0 +1,59 @@
+"""The JSON shapes of jobs and attempts (DESIGN §8), shared by the commands and the API."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from .models import Job, Lease
+
+
+def timestamp(value: datetime | None) -> str | None:
+    return value.isoformat() if value is not None else None
+
+
+def job_dict(job: Job) -> dict[str, Any]:
+    return {
+        "id": job.pk,
+        "kind": job.kind,
+        "lane": job.lane,
+        "state": job.state,
+        "args": job.args,
+        "priority": job.priority,
+        "attempts": job.attempts,
+        "max_attempts": job.max_attempts,
+        "lease_token": job.lease_token,
+        "leased_by": job.leased_by,
+        "lease_expires_at": timestamp(job.lease_expires_at),
+        "run_at": timestamp(job.run_at),
+        "unique_key": job.unique_key,
+        "cancel_requested": job.cancel_requested,
+        "progress": job.progress,
+        "result": job.result,
+        "created_at": timestamp(job.created_at),
+        "started_at": timestamp(job.started_at),
+        "finished_at": timestamp(job.finished_at),
+        "last_error": job.last_error or None,
+    }
+
+
+def lease_dict(lease: Lease) -> dict[str, Any]:
+    return {
+        "attempt": lease.attempt,
+        "lease_token": lease.lease_token,
+        "worker_id": lease.worker_id,
+        "acquired_at": timestamp(lease.acquired_at),
+        "expires_at": timestamp(lease.expires_at),
+        "released_at": timestamp(lease.released_at),
+        "outcome": lease.outcome,
+        "error_class": lease.error_class or None,
+        "error_message": lease.error_message or None,
+        "traceback": lease.traceback or None,
+        "context": lease.context,
+    }
+
+
+def job_detail_dict(job: Job) -> dict[str, Any]:
+    data = job_dict(job)
+    data["leases"] = [lease_dict(lease) for lease in job.leases.order_by("lease_token")]
+    return data

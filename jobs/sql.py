@@ -1,0 +1,270 @@
+"""The engine's vendor-specific statements: claim and settle, for PostgreSQL and SQLite.
+
+These are the hot path, so each is as few round trips as the database allows, and each
+carries its guard in plain sight. Time always comes from the database clock
+(``statement_timestamp()``, like Django's ``Now()``), never from a worker's clock:
+
+* claim takes the best runnable job and writes its attempt (lease) row. PostgreSQL does
+  it in one statement (``FOR UPDATE SKIP LOCKED`` in a CTE, so concurrent workers never
+  wait on each other or take the same row); SQLite does it inside ``BEGIN IMMEDIATE``,
+  which serializes writers, with one ``UPDATE … RETURNING``.
+* settle moves a job out of ``running`` only ``WHERE state = 'running' AND lease_token =
+  <mine>`` and records the attempt's outcome in the same transaction. Zero rows means the
+  lease was lost, and the caller raises ``LeaseLost``.
+
+Everything else in the engine is ORM.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+from django.db import connection, transaction
+from django.utils.dateparse import parse_datetime
+
+
+@dataclass(frozen=True)
+class Claimed:
+    """A job this worker holds under a lease: what the worker needs to run and settle it."""
+
+    id: int
+    kind: str
+    lane: str
+    args: dict[str, Any]
+    attempt: int
+    max_attempts: int
+    lease_token: int
+    lease_seconds: float
+    lease_expires_at: datetime
+    lease_id: int
+
+
+@dataclass(frozen=True)
+class Settlement:
+    """How an attempt ends: the job's next state and the attempt's recorded outcome."""
+
+    state: str  # queued | succeeded | dead | cancelled
+    outcome: str  # see models.Outcome
+    delay: float = 0.0  # with state=queued: seconds until the next attempt
+    uncharge: bool = False  # a released claim does not count as an attempt
+    result: Any = None
+    last_error: str | None = None  # None keeps the job's previous summary
+    error_class: str = ""
+    error_message: str = ""
+    traceback: str = ""
+    context: dict[str, Any] | None = None
+
+
+CLAIMED_COLUMNS = (
+    "id, kind, lane, args, attempts, max_attempts, lease_token, lease_seconds, lease_expires_at"
+)
+
+PG_CLAIM = f"""
+WITH candidate AS (
+    SELECT id FROM jobs_job
+    WHERE state = 'queued' AND run_at <= statement_timestamp() {{lane_filter}}
+    ORDER BY priority DESC, run_at, id
+    LIMIT 1
+    FOR UPDATE SKIP LOCKED
+), claimed AS (
+    UPDATE jobs_job AS job SET
+        state = 'running',
+        attempts = job.attempts + 1,
+        lease_token = job.lease_token + 1,
+        leased_by = %(worker)s,
+        lease_expires_at = statement_timestamp() + job.lease_seconds * interval '1 second',
+        heartbeat_at = statement_timestamp(),
+        started_at = statement_timestamp(),
+        updated_at = statement_timestamp()
+    FROM candidate
+    WHERE job.id = candidate.id AND job.state = 'queued'
+    RETURNING {", ".join("job." + c.strip() for c in CLAIMED_COLUMNS.split(","))}
+), lease AS (
+    INSERT INTO jobs_lease (job_id, attempt, lease_token, worker_id, acquired_at, expires_at,
+                            outcome, error_class, error_message, traceback, context)
+    SELECT id, attempts, lease_token, %(worker)s, statement_timestamp(), lease_expires_at,
+           'running', '', '', '', '{{{{}}}}'::jsonb
+    FROM claimed
+    RETURNING id
+)
+SELECT {", ".join("claimed." + c.strip() for c in CLAIMED_COLUMNS.split(","))}, lease.id
+FROM claimed CROSS JOIN lease
+"""
+
+PG_SETTLE = """
+WITH settled AS (
+    UPDATE jobs_job SET
+        state = %(state)s,
+        run_at = CASE WHEN %(state)s = 'queued'
+                      THEN statement_timestamp() + %(delay)s * interval '1 second' ELSE run_at END,
+        attempts = attempts - %(uncharge)s,
+        result = %(result)s::jsonb,
+        last_error = COALESCE(%(last_error)s, last_error),
+        finished_at = CASE WHEN %(state)s = 'queued' THEN NULL ELSE statement_timestamp() END,
+        leased_by = NULL,
+        lease_expires_at = NULL,
+        updated_at = statement_timestamp()
+    WHERE id = %(job_id)s AND state = 'running' AND lease_token = %(token)s
+    RETURNING id
+)
+UPDATE jobs_lease SET
+    outcome = %(outcome)s, released_at = statement_timestamp(), error_class = %(error_class)s,
+    error_message = %(error_message)s, traceback = %(traceback)s, context = %(context)s::jsonb
+WHERE id = %(lease_id)s AND EXISTS (SELECT 1 FROM settled)
+"""
+
+# SQLite: the same statements split in two, inside one BEGIN IMMEDIATE transaction.
+SQLITE_NOW = "strftime('%%Y-%%m-%%d %%H:%%M:%%f', 'now')"
+
+SQLITE_CLAIM = f"""
+UPDATE jobs_job SET
+    state = 'running',
+    attempts = attempts + 1,
+    lease_token = lease_token + 1,
+    leased_by = %(worker)s,
+    lease_expires_at = strftime('%%Y-%%m-%%d %%H:%%M:%%f', 'now',
+                                printf('%%+.3f seconds', lease_seconds)),
+    heartbeat_at = {SQLITE_NOW},
+    started_at = {SQLITE_NOW},
+    updated_at = {SQLITE_NOW}
+WHERE id = (
+    SELECT id FROM jobs_job
+    WHERE state = 'queued' AND run_at <= {SQLITE_NOW} {{lane_filter}}
+    ORDER BY priority DESC, run_at, id
+    LIMIT 1
+)
+RETURNING {CLAIMED_COLUMNS}
+"""
+
+SQLITE_INSERT_LEASE = f"""
+INSERT INTO jobs_lease (job_id, attempt, lease_token, worker_id, acquired_at, expires_at,
+                        outcome, error_class, error_message, traceback, context)
+VALUES (%(job_id)s, %(attempt)s, %(token)s, %(worker)s, {SQLITE_NOW}, %(expires)s,
+        'running', '', '', '', '{{}}')
+RETURNING id
+"""
+
+SQLITE_SETTLE_JOB = f"""
+UPDATE jobs_job SET
+    state = %(state)s,
+    run_at = CASE WHEN %(state)s = 'queued'
+                  THEN strftime('%%Y-%%m-%%d %%H:%%M:%%f', 'now', %(delay_modifier)s)
+                  ELSE run_at END,
+    attempts = attempts - %(uncharge)s,
+    result = %(result)s,
+    last_error = COALESCE(%(last_error)s, last_error),
+    finished_at = CASE WHEN %(state)s = 'queued' THEN NULL ELSE {SQLITE_NOW} END,
+    leased_by = NULL,
+    lease_expires_at = NULL,
+    updated_at = {SQLITE_NOW}
+WHERE id = %(job_id)s AND state = 'running' AND lease_token = %(token)s
+"""
+
+SQLITE_SETTLE_LEASE = f"""
+UPDATE jobs_lease SET
+    outcome = %(outcome)s, released_at = {SQLITE_NOW}, error_class = %(error_class)s,
+    error_message = %(error_message)s, traceback = %(traceback)s, context = %(context)s
+WHERE id = %(lease_id)s
+"""
+
+
+def is_postgres() -> bool:
+    return connection.vendor == "postgresql"
+
+
+def claim(worker_id: str, lanes: Sequence[str] | None) -> Claimed | None:
+    """Take the best runnable job in ``lanes`` (all lanes when None) under a new lease."""
+    params: dict[str, Any] = {"worker": worker_id}
+    if is_postgres():
+        lane_filter = ""
+        if lanes is not None:
+            lane_filter = "AND lane = ANY(%(lanes)s)"
+            params["lanes"] = list(lanes)
+        with connection.cursor() as cursor:
+            cursor.execute(PG_CLAIM.format(lane_filter=lane_filter), params)
+            row = cursor.fetchone()
+        return _claimed(row) if row else None
+
+    lane_filter = ""
+    if lanes is not None:
+        names = [f"lane{i}" for i in range(len(lanes))]
+        lane_filter = f"AND lane IN ({', '.join(f'%({n})s' for n in names)})"
+        params.update(zip(names, lanes, strict=True))
+    with transaction.atomic(), connection.cursor() as cursor:
+        cursor.execute(SQLITE_CLAIM.format(lane_filter=lane_filter), params)
+        row = cursor.fetchone()
+        if row is None:
+            return None
+        cursor.execute(
+            SQLITE_INSERT_LEASE,
+            {
+                "job_id": row[0],
+                "attempt": row[4],
+                "token": row[6],
+                "worker": worker_id,
+                "expires": row[8],
+            },
+        )
+        (lease_id,) = cursor.fetchone()
+    return _claimed((*row, lease_id))
+
+
+def settle(job: Claimed, how: Settlement) -> bool:
+    """Move ``job`` out of ``running`` as ``how`` says; False when the lease was lost."""
+    params: dict[str, Any] = {
+        "job_id": job.id,
+        "token": job.lease_token,
+        "lease_id": job.lease_id,
+        "state": how.state,
+        "outcome": how.outcome,
+        "uncharge": 1 if how.uncharge else 0,
+        "result": None if how.result is None else json.dumps(how.result),
+        "last_error": how.last_error,
+        "error_class": how.error_class,
+        "error_message": how.error_message,
+        "traceback": how.traceback,
+        "context": json.dumps(how.context or {}, default=str),
+    }
+    if is_postgres():
+        params["delay"] = how.delay
+        with connection.cursor() as cursor:
+            cursor.execute(PG_SETTLE, params)
+            return cursor.rowcount == 1
+    params["delay_modifier"] = f"{how.delay:+.3f} seconds"
+    with transaction.atomic(), connection.cursor() as cursor:
+        cursor.execute(SQLITE_SETTLE_JOB, params)
+        if cursor.rowcount != 1:
+            return False
+        cursor.execute(SQLITE_SETTLE_LEASE, params)
+        return True
+
+
+def _claimed(row: Sequence[Any]) -> Claimed:
+    args = row[3]
+    if isinstance(args, str | bytes):
+        args = json.loads(args)
+    return Claimed(
+        id=row[0],
+        kind=row[1],
+        lane=row[2],
+        args=args,
+        attempt=row[4],
+        max_attempts=row[5],
+        lease_token=row[6],
+        lease_seconds=row[7],
+        lease_expires_at=_as_datetime(row[8]),
+        lease_id=row[9],
+    )
+
+
+def _as_datetime(value: datetime | str) -> datetime:
+    if isinstance(value, datetime):
+        return value if value.tzinfo else value.replace(tzinfo=UTC)
+    parsed = parse_datetime(value)
+    if parsed is None:
+        raise ValueError(f"not a timestamp: {value!r}")
+    return parsed.replace(tzinfo=UTC)

@@ -1,0 +1,71 @@
+"""The queue's figures for operators: ``queue_status`` and the API's ``queue/``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.conf import settings
+from django.db.models import Count, Min, Q
+
+from . import engine
+from .models import Job, State, Worker
+from .serialization import timestamp
+
+STALE_WORKER_FLOOR_SECONDS = 30.0
+
+
+def queue_status() -> dict[str, Any]:
+    now = engine.db_now()
+    totals = {state.value: 0 for state in State}
+    lanes: dict[str, dict[str, Any]] = {}
+    counts = Job.objects.values("lane", "state").annotate(n=Count("id")).order_by()
+    for row in counts:
+        totals[row["state"]] += row["n"]
+        lane = lanes.setdefault(row["lane"], {s.value: 0 for s in State})
+        lane[row["state"]] = row["n"]
+    oldest = (
+        Job.objects.filter(state=State.QUEUED, run_at__lte=now)
+        .values("lane")
+        .annotate(oldest=Min("run_at"))
+        .order_by()
+    )
+    for lane in lanes.values():
+        lane["oldest_queued_age_s"] = None
+    for lane_oldest in oldest:
+        age = (now - lane_oldest["oldest"]).total_seconds()
+        lanes[lane_oldest["lane"]]["oldest_queued_age_s"] = round(age, 3)
+    leases = [
+        {
+            "job_id": job.pk,
+            "kind": job.kind,
+            "lane": job.lane,
+            "worker_id": job.leased_by,
+            "lease_token": job.lease_token,
+            "expires_at": timestamp(job.lease_expires_at),
+            "expired": job.lease_expires_at is not None and job.lease_expires_at < now,
+        }
+        for job in Job.objects.filter(state=State.RUNNING).order_by("lease_expires_at")[:200]
+    ]
+    stale_after = max(STALE_WORKER_FLOOR_SECONDS, float(settings.HOLDFAST_LEASE_SECONDS))
+    workers = [
+        {
+            "id": worker.pk,
+            "host": worker.host,
+            "pid": worker.pid,
+            "lanes": worker.lanes or "all",
+            "current_job": worker.current_job,
+            "heartbeat_at": timestamp(worker.heartbeat_at),
+            "stale": (now - worker.heartbeat_at).total_seconds() > stale_after,
+        }
+        for worker in Worker.objects.filter(stopped_at__isnull=True).order_by("pk")
+    ]
+    return {
+        "now": timestamp(now),
+        "totals": totals,
+        "dead": totals[State.DEAD],
+        "lanes": dict(sorted(lanes.items())),
+        "live_leases": leases,
+        "workers": workers,
+        "schedules_overdue": [],
+        "delayed": Job.objects.filter(Q(state=State.QUEUED) & Q(run_at__gt=now)).count(),
+    }

@@ -1,0 +1,321 @@
+"""The worker process: claim one job at a time (I7), run its handler, settle it.
+
+Two threads share the work. The main thread claims, runs the handler and settles. The
+*lease keeper* thread renews the current job's lease every third of its length (fenced:
+a lost lease is flagged on ``ctx``), refreshes the worker's own heartbeat, reclaims
+expired leases of other workers at least every ``HOLDFAST_RECLAIM_SECONDS``, and
+enforces the shutdown grace period. Each thread has its own database connection.
+
+A database outage never kills the worker: every database step is retried with backoff
+capped at 30 s, and a job whose settlement could not be written is settled when the
+database returns (or, if its lease ran out meanwhile, left to the reclaimer).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import json
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from types import FrameType
+from typing import Any, TypeVar
+
+import structlog
+from django.conf import settings
+from django.db import InterfaceError, OperationalError, close_old_connections, connection
+
+from . import engine
+from .context import JobContext
+from .exceptions import Cancelled, LeaseLost, PermanentError, UnknownKind
+from .log import bound_context, get_logger
+from .notify import PollWaker, waker_for_database
+from .registry import HandlerSpec, autodiscover, get_handler
+from .sql import Claimed
+
+log = get_logger("jobs.worker")
+
+T = TypeVar("T")
+DB_ERRORS = (OperationalError, InterfaceError)
+MAX_DB_BACKOFF = 30.0
+
+
+class GaveUp(Exception):
+    """A database step was abandoned because the worker is stopping."""
+
+
+class WorkerProcess:
+    def __init__(
+        self,
+        worker_id: str | None = None,
+        lanes: Sequence[str] | None = None,
+        burst: bool = False,
+        poll_seconds: float | None = None,
+        grace_seconds: float | None = None,
+    ) -> None:
+        self.worker_id = worker_id or engine.default_worker_id()
+        self.lanes = list(lanes) if lanes else None
+        self.burst = burst
+        self.poll_seconds = float(
+            settings.HOLDFAST_POLL_SECONDS if poll_seconds is None else poll_seconds
+        )
+        self.grace_seconds = float(
+            settings.HOLDFAST_SHUTDOWN_GRACE_SECONDS if grace_seconds is None else grace_seconds
+        )
+        self.stop_requested_at: float | None = None
+        self.current: tuple[Claimed, JobContext] | None = None
+        self.processed = 0
+        self._waker: PollWaker = PollWaker()
+        self._keeper_stop = threading.Event()
+        self._current_lock = threading.Lock()
+
+    # --- lifecycle ---------------------------------------------------------------------
+
+    def run(self) -> int:
+        autodiscover()
+        previous = self._install_signal_handlers()
+        structlog.contextvars.bind_contextvars(worker_id=self.worker_id)
+        self._waker = waker_for_database()
+        self._with_db_retry(lambda: engine.register_worker(self.worker_id, self.lanes))
+        keeper = threading.Thread(target=self._keep_leases, name="lease-keeper", daemon=True)
+        keeper.start()
+        try:
+            self._loop()
+        finally:
+            self._keeper_stop.set()
+            self._waker.close()
+            keeper.join(timeout=10)
+            self._quietly(lambda: engine.worker_stopped(self.worker_id))
+            log.info("worker_exiting", processed=self.processed)
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
+        return 0
+
+    @property
+    def stopping(self) -> bool:
+        return self.stop_requested_at is not None
+
+    def _loop(self) -> None:
+        while not self.stopping:
+            job = self._claim()
+            if job is None and self.burst and not self.stopping:
+                # Before leaving, recover what dead workers left behind and look once more.
+                self._with_db_retry(engine.reclaim_expired, give_up=lambda: self.stopping)
+                job = self._claim()
+                if job is None:
+                    return
+            if job is not None:
+                self._run(job)
+            elif not self.stopping:
+                self._waker.wait(self.poll_seconds)
+
+    def _claim(self) -> Claimed | None:
+        try:
+            return self._with_db_retry(
+                lambda: engine.claim(self.worker_id, self.lanes), give_up=lambda: self.stopping
+            )
+        except GaveUp:
+            return None
+
+    def _install_signal_handlers(self) -> dict[int, Any]:
+        """SIGTERM/SIGINT stop the worker gracefully; returns the handlers they replaced."""
+        if threading.current_thread() is not threading.main_thread():
+            return {}
+        return {
+            signum: signal.signal(signum, self._on_signal)
+            for signum in (signal.SIGTERM, signal.SIGINT)
+        }
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        name = signal.Signals(signum).name
+        if self.stopping:
+            log.warning("worker_killed", signal=name)
+            os._exit(128 + signum)
+        self.stop_requested_at = time.monotonic()
+        log.info("worker_stopping", signal=name, grace_seconds=self.grace_seconds)
+        self._waker.wake()
+
+    # --- one job -----------------------------------------------------------------------
+
+    def _run(self, job: Claimed) -> None:
+        ctx = JobContext(job, self.worker_id)
+        with self._current_lock:
+            self.current = (job, ctx)
+        bound = engine.job_log_context(job, self.worker_id)
+        structlog.contextvars.bind_contextvars(**bound)
+        try:
+            settle = self._execute(job, ctx)
+            self._settle_until_written(job, settle)
+        finally:
+            with self._current_lock:
+                self.current = None
+            structlog.contextvars.unbind_contextvars(*bound)
+            structlog.contextvars.bind_contextvars(worker_id=self.worker_id)
+            self.processed += 1
+
+    def _execute(self, job: Claimed, ctx: JobContext) -> Callable[[], Any] | None:
+        """Run the handler; return the settlement to write (None: nothing to write)."""
+        try:
+            spec = get_handler(job.kind)
+            call = _bind(spec, ctx, job.args)
+            result = call()
+            if ctx.completed:
+                return None  # committed inside ctx.atomic(complete=True)
+            _check_json(result)
+            return lambda: engine.complete(job, result)
+        except LeaseLost:
+            log.warning("lease_lost", during="handler")
+            return None
+        except Cancelled:
+            return lambda: engine.cancelled(job)
+        except Exception as exc:
+            failure = engine.Failure(
+                error_class=_class_path(exc),
+                message=str(exc),
+                traceback=traceback.format_exc(),
+                context=bound_context(),
+                permanent=isinstance(exc, PermanentError | UnknownKind),
+            )
+            delay = _backoff(job)
+            return lambda: engine.fail(job, failure, delay)
+
+    def _settle_until_written(self, job: Claimed, settle: Callable[[], Any] | None) -> None:
+        """Write the settlement, waiting out a database outage.
+
+        If the lease ran out meanwhile and the job was reclaimed, the fenced statement
+        matches nothing and the engine raises LeaseLost: the job belongs to another
+        attempt now, and this one's outcome is dropped.
+        """
+        if settle is None:
+            return
+        with contextlib.suppress(LeaseLost):  # logged by the engine
+            self._with_db_retry(settle)
+
+    # --- the lease keeper thread -------------------------------------------------------
+
+    def _keep_leases(self) -> None:
+        reclaim_every = float(settings.HOLDFAST_RECLAIM_SECONDS)
+        next_reclaim = time.monotonic()
+        next_worker_beat = time.monotonic()
+        last_job_beat: tuple[int, float] | None = None
+        try:
+            while not self._keeper_stop.wait(0.25):
+                now = time.monotonic()
+                with self._current_lock:
+                    current = self.current
+                if current is not None:
+                    job, ctx = current
+                    interval = min(job.lease_seconds / 3, 5.0)
+                    if last_job_beat is None or last_job_beat[0] != job.lease_id:
+                        last_job_beat = (job.lease_id, now)
+                    elif now - last_job_beat[1] >= interval:
+                        last_job_beat = (job.lease_id, now)
+                        self._renew(ctx)
+                    self._enforce_grace(job)
+                if now >= next_worker_beat:
+                    next_worker_beat = now + 5
+                    job_id = current[0].id if current else None
+                    self._quietly(
+                        functools.partial(engine.worker_heartbeat, self.worker_id, job_id)
+                    )
+                if now >= next_reclaim:
+                    next_reclaim = now + reclaim_every
+                    self._quietly(engine.reclaim_expired)
+        finally:
+            close_old_connections()
+            connection.close()
+
+    def _renew(self, ctx: JobContext) -> None:
+        if ctx.lease_lost:
+            return
+        try:
+            ctx.heartbeat()
+        except LeaseLost:
+            log.warning(
+                "lease_lost", during="heartbeat", job_id=ctx.job_id, lease_token=ctx.lease_token
+            )
+        except DB_ERRORS as exc:
+            log.warning("heartbeat_failed", job_id=ctx.job_id, error=_one_line(exc))
+            connection.close()
+
+    def _enforce_grace(self, job: Claimed) -> None:
+        """After the grace period, give the job back and exit, as if it never started."""
+        if self.stop_requested_at is None:
+            return
+        if time.monotonic() - self.stop_requested_at < self.grace_seconds:
+            return
+        log.warning("shutdown_grace_expired", job_id=job.id, grace_seconds=self.grace_seconds)
+        try:
+            engine.release(job)
+        except LeaseLost:
+            pass  # it finished or was reclaimed meanwhile
+        except DB_ERRORS as exc:
+            log.error("release_failed", job_id=job.id, error=_one_line(exc))
+        self._quietly(lambda: engine.worker_stopped(self.worker_id))
+        sys.stderr.flush()
+        os._exit(0)
+
+    # --- database outages --------------------------------------------------------------
+
+    def _with_db_retry(self, step: Callable[[], T], give_up: Callable[[], bool] | None = None) -> T:
+        """Run ``step``; while the database is unreachable, log and retry with backoff."""
+        delay = 0.5
+        while True:
+            try:
+                return step()
+            except DB_ERRORS as exc:
+                log.error("database_unavailable", error=_one_line(exc), retry_in=delay)
+                connection.close()
+                deadline = time.monotonic() + delay
+                while time.monotonic() < deadline:
+                    if give_up is not None and give_up():
+                        raise GaveUp() from exc
+                    time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
+                delay = min(delay * 2, MAX_DB_BACKOFF)
+
+    def _quietly(self, step: Callable[[], Any]) -> None:
+        try:
+            step()
+        except DB_ERRORS as exc:
+            log.warning("database_unavailable", error=_one_line(exc), during="background")
+            connection.close()
+
+
+def _bind(spec: HandlerSpec, ctx: JobContext, args: dict[str, Any]) -> Callable[[], Any]:
+    """Check the job's args against the handler's signature before running it."""
+    try:
+        bound = inspect.signature(spec.func).bind(ctx, **args)
+    except TypeError as exc:
+        raise PermanentError(f"args do not match handler {spec.kind!r}: {exc}") from None
+    return lambda: spec.func(*bound.args, **bound.kwargs)
+
+
+def _check_json(result: Any) -> None:
+    try:
+        json.dumps(result)
+    except (TypeError, ValueError) as exc:
+        raise PermanentError(f"the handler returned a value that is not JSON: {exc}") from None
+
+
+def _backoff(job: Claimed) -> float:
+    try:
+        return float(get_handler(job.kind).backoff(job.attempt))
+    except UnknownKind:
+        return 0.0
+
+
+def _class_path(exc: BaseException) -> str:
+    cls = type(exc)
+    return (
+        cls.__qualname__ if cls.__module__ == "builtins" else f"{cls.__module__}.{cls.__qualname__}"
+    )
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split()) or type(exc).__name__

@@ -1,0 +1,32 @@
+"""Small builders shared by the integration tests: real rows, no mocks."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+from django.utils import timezone
+
+from jobs import engine
+from jobs.models import Job
+from jobs.sql import Claimed
+
+
+def claim_one(worker_id: str = "w1", lanes: list[str] | None = None) -> Claimed:
+    job = engine.claim(worker_id, lanes)
+    assert job is not None, "expected a runnable job"
+    return job
+
+
+def expire_lease(job_id: int) -> None:
+    """Move a running job's lease expiry into the past, as if its worker had vanished."""
+    Job.objects.filter(pk=job_id).update(lease_expires_at=timezone.now() - timedelta(minutes=5))
+
+
+def failure(message: str = "boom", permanent: bool = False) -> engine.Failure:
+    return engine.Failure(
+        error_class="RuntimeError",
+        message=message,
+        traceback="Traceback (most recent call last):\nRuntimeError: " + message,
+        context={"job_id": 0},
+        permanent=permanent,
+    )

@@ -1,0 +1,99 @@
+"""Enqueue: transactional, validated, deduplicated, routed to lanes."""
+
+from datetime import datetime, timedelta
+
+import pytest
+from django.db import transaction
+from django.test import override_settings
+from django.utils import timezone
+
+from jobs import InvalidJob, LaneFull, LaneRefused, UnknownKind
+from jobs.engine import enqueue, enqueue_many
+from jobs.models import Job, State
+
+pytestmark = pytest.mark.django_db
+
+
+def test_job_exists_only_if_the_callers_transaction_commits():
+    with pytest.raises(RuntimeError), transaction.atomic():
+        enqueue("test.echo", {"a": 1})
+        raise RuntimeError("caller rolls back")
+    assert Job.objects.count() == 0
+    with transaction.atomic():
+        job = enqueue("test.echo", {"a": 1})
+    assert Job.objects.get().pk == job.pk
+
+
+def test_defaults_come_from_the_handler_and_the_database_clock():
+    job = enqueue("test.fail")
+    assert job.state == State.QUEUED
+    assert job.max_attempts == 3  # the handler's max_attempts
+    assert job.lease_seconds == 60
+    assert job.run_at is not None and job.created_at is not None
+    assert enqueue("test.echo").max_attempts == 10  # DESIGN default
+
+
+def test_unique_key_returns_the_active_job_and_frees_up_when_it_finishes():
+    first = enqueue("test.echo", {"n": 1}, unique_key="k")
+    again = enqueue("test.echo", {"n": 2}, unique_key="k")
+    assert again.pk == first.pk
+    assert Job.objects.count() == 1
+    Job.objects.filter(pk=first.pk).update(state=State.SUCCEEDED)
+    third = enqueue("test.echo", {"n": 3}, unique_key="k")
+    assert third.pk != first.pk
+
+
+def test_enqueue_many_returns_jobs_in_order():
+    jobs = enqueue_many("test.echo", [{"i": i} for i in range(250)], priority=3)
+    assert [job.args["i"] for job in jobs] == list(range(250))
+    assert all(job.pk and job.priority == 3 and job.run_at for job in jobs)
+    assert Job.objects.filter(state=State.QUEUED).count() == 250
+
+
+@pytest.mark.parametrize(
+    ("kind", "args", "options", "error"),
+    [
+        ("no.such.kind", {}, {}, UnknownKind),
+        ("test.echo", ["not", "an", "object"], {}, InvalidJob),
+        ("test.echo", {"when": datetime.now()}, {}, InvalidJob),
+        ("test.echo", {}, {"run_at": datetime(2030, 1, 1)}, InvalidJob),  # naive
+        ("test.echo", {}, {"delay": 5, "run_at": timezone.now()}, InvalidJob),
+        ("test.echo", {}, {"delay": -1}, InvalidJob),
+        ("test.echo", {}, {"max_attempts": 0}, InvalidJob),
+        ("test.echo", {}, {"priority": 10**6}, InvalidJob),
+        ("test.echo", {}, {"lane": "nowhere"}, LaneRefused),
+    ],
+)
+def test_bad_enqueues_are_refused_and_nothing_is_written(kind, args, options, error):
+    with pytest.raises(error):
+        enqueue(kind, args, **options)
+    assert Job.objects.count() == 0
+
+
+def test_delay_and_run_at_put_the_job_in_the_future():
+    delayed = enqueue("test.echo", delay=timedelta(hours=1))
+    at = enqueue("test.echo", run_at=timezone.now() + timedelta(days=1))
+    assert delayed.run_at > delayed.created_at + timedelta(minutes=59)
+    assert at.run_at > timezone.now() + timedelta(hours=23)
+
+
+LANES = {
+    "default": {},
+    "media": {"kinds": ["photo.*", "test.echo"], "max_queued": 2},
+    "bulk": {"kinds": ["test.noop"], "max_queued": 1, "on_full": "drop"},
+}
+
+
+@override_settings(HOLDFAST_LANES=LANES)
+def test_lanes_route_refuse_and_bound():
+    assert enqueue("test.echo").lane == "media"  # first lane whose patterns match
+    assert enqueue("test.fail").lane == "default"
+    assert enqueue("test.echo", lane="default").lane == "default"  # explicit wins
+    with pytest.raises(LaneRefused, match="does not accept"):
+        enqueue("test.fail", lane="media")
+    enqueue("test.echo")
+    with pytest.raises(LaneFull):
+        enqueue("test.echo")
+    assert enqueue("test.noop") is not None
+    assert enqueue("test.noop") is None  # dropped, not raised
+    assert Job.objects.filter(lane="bulk").count() == 1

@@ -1,0 +1,177 @@
+"""Every state transition of the engine, and the guard that protects it (I1, I2, I3)."""
+
+from datetime import timedelta
+
+import pytest
+from django.utils import timezone
+
+from jobs import LeaseLost, engine
+from jobs.models import Job, Lease, Outcome, State
+
+from .helpers import claim_one, expire_lease, failure
+
+pytestmark = pytest.mark.django_db
+
+
+def test_claim_takes_highest_priority_then_oldest_then_lowest_id():
+    low = engine.enqueue("test.echo", {"n": "low"}, priority=-5)
+    first = engine.enqueue("test.echo", {"n": "first"})
+    second = engine.enqueue("test.echo", {"n": "second"})
+    high = engine.enqueue("test.echo", {"n": "high"}, priority=5)
+    engine.enqueue("test.echo", {"n": "later"}, delay=3600)
+    order = [claim_one().id for _ in range(4)]
+    assert order == [high.pk, first.pk, second.pk, low.pk]
+    assert engine.claim("w1") is None  # the delayed job is not runnable yet
+
+
+def test_claim_writes_a_lease_and_increments_the_fencing_token():
+    job = engine.enqueue("test.echo")
+    claimed = claim_one("worker-a")
+    assert (claimed.id, claimed.attempt, claimed.lease_token) == (job.pk, 1, 1)
+    row = Job.objects.get(pk=job.pk)
+    assert row.state == State.RUNNING
+    assert row.leased_by == "worker-a"
+    assert row.lease_expires_at > row.heartbeat_at
+    lease = Lease.objects.get(job=job)
+    assert (lease.lease_token, lease.attempt, lease.outcome) == (1, 1, Outcome.RUNNING)
+    assert lease.expires_at == row.lease_expires_at
+    assert engine.claim("worker-b") is None  # I1: one live lease per job
+
+
+def test_claim_serves_only_the_requested_lanes():
+    engine.enqueue("test.echo", lane="default")
+    assert engine.claim("w", lanes=["other"]) is None
+    assert engine.claim("w", lanes=["other", "default"]) is not None
+
+
+def test_complete_is_fenced_by_state_and_token():
+    engine.enqueue("test.echo")
+    claimed = claim_one()
+    engine.complete(claimed, {"ok": True})
+    job = Job.objects.get(pk=claimed.id)
+    assert job.state == State.SUCCEEDED and job.result == {"ok": True}
+    assert job.finished_at is not None and job.leased_by is None
+    assert Lease.objects.get(job=job).outcome == Outcome.SUCCEEDED
+    with pytest.raises(LeaseLost):
+        engine.complete(claimed)  # completing twice is refused
+
+
+def test_failure_retries_with_backoff_then_goes_dead():
+    engine.enqueue("test.fail")  # max_attempts=3
+    for attempt in (1, 2):
+        claimed = claim_one()
+        assert claimed.attempt == attempt
+        assert engine.fail(claimed, failure(f"boom {attempt}"), backoff_seconds=0) == State.QUEUED
+    job = Job.objects.get()
+    assert job.state == State.QUEUED and job.last_error == "RuntimeError: boom 2"
+    claimed = claim_one()
+    assert engine.fail(claimed, failure("boom 3"), backoff_seconds=0) == State.DEAD
+    job = Job.objects.get()
+    assert (job.state, job.attempts) == (State.DEAD, 3)
+    leases = list(job.leases.order_by("lease_token"))
+    assert [lease.outcome for lease in leases] == [Outcome.FAILED] * 3
+    assert [lease.error_message for lease in leases] == ["boom 1", "boom 2", "boom 3"]
+    assert all("Traceback" in lease.traceback for lease in leases)
+
+
+def test_backoff_delays_the_next_attempt():
+    engine.enqueue("test.fail")
+    engine.fail(claim_one(), failure(), backoff_seconds=600)
+    job = Job.objects.get()
+    assert job.state == State.QUEUED
+    assert job.run_at > timezone.now() + timedelta(seconds=500)
+    assert engine.claim("w1") is None
+
+
+def test_permanent_error_goes_dead_at_once():
+    engine.enqueue("test.echo")
+    assert engine.fail(claim_one(), failure(permanent=True), backoff_seconds=0) == State.DEAD
+    assert Job.objects.get().attempts == 1
+
+
+def test_release_gives_the_job_back_without_charging_the_attempt():
+    engine.enqueue("test.echo")
+    claimed = claim_one()
+    engine.release(claimed)
+    job = Job.objects.get()
+    assert (job.state, job.attempts, job.lease_token) == (State.QUEUED, 0, 1)
+    assert Lease.objects.get().outcome == Outcome.RELEASED
+    again = claim_one()
+    assert (again.attempt, again.lease_token) == (1, 2)
+
+
+def test_reclaim_requeues_an_expired_lease_and_fences_out_the_old_worker():
+    engine.enqueue("test.echo")
+    old = claim_one("old-worker")
+    expire_lease(old.id)
+    assert engine.reclaim_expired() == [old.id]
+    job = Job.objects.get()
+    assert job.state == State.QUEUED and "LeaseExpired" in job.last_error
+    assert Lease.objects.get().outcome == Outcome.LEASE_EXPIRED
+    new = claim_one("new-worker")
+    assert new.lease_token == old.lease_token + 1
+    # The old worker comes back: every write it attempts is rejected (I2).
+    for late_write in (
+        lambda: engine.complete(old, "late"),
+        lambda: engine.fail(old, failure(), 0),
+        lambda: engine.release(old),
+        lambda: engine.heartbeat(old),
+        lambda: engine.fence(old.id, old.lease_token),
+    ):
+        with pytest.raises(LeaseLost):
+            late_write()
+    engine.complete(new, "fresh")
+    assert Job.objects.get().result == "fresh"
+
+
+def test_reclaim_never_clobbers_a_completion_that_landed_first():
+    engine.enqueue("test.echo")
+    claimed = claim_one()
+    expire_lease(claimed.id)
+    engine.complete(claimed, "won the race")  # completion lands before the reclaimer
+    assert engine.reclaim_expired() == []
+    job = Job.objects.get()
+    assert job.state == State.SUCCEEDED and job.result == "won the race"
+    assert Lease.objects.get().outcome == Outcome.SUCCEEDED
+
+
+def test_reclaim_leaves_live_leases_alone():
+    engine.enqueue("test.echo")
+    claim_one()
+    assert engine.reclaim_expired() == []
+    assert Job.objects.get().state == State.RUNNING
+
+
+def test_reclaim_of_a_spent_job_makes_it_dead():
+    engine.enqueue("test.echo", max_attempts=1)
+    claimed = claim_one()
+    expire_lease(claimed.id)
+    assert engine.reclaim_expired() == [claimed.id]
+    job = Job.objects.get()
+    assert job.state == State.DEAD and job.finished_at is not None
+
+
+def test_heartbeat_extends_the_lease_and_reports_cancel_requests():
+    engine.enqueue("test.echo")
+    claimed = claim_one()
+    Job.objects.filter(pk=claimed.id).update(lease_expires_at=timezone.now())
+    assert engine.heartbeat(claimed) is False
+    job = Job.objects.get()
+    assert job.lease_expires_at > timezone.now() + timedelta(seconds=30)
+    assert Lease.objects.get().expires_at == job.lease_expires_at
+    Job.objects.filter(pk=claimed.id).update(cancel_requested=True)
+    assert engine.heartbeat(claimed) is True
+
+
+def test_requeue_dead_gives_a_fresh_budget_and_keeps_history():
+    engine.enqueue("test.fail")
+    for _ in range(3):
+        engine.fail(claim_one(), failure(), backoff_seconds=0)
+    dead = Job.objects.get()
+    assert dead.state == State.DEAD
+    assert engine.requeue_dead(engine.dead_jobs(kind="test.fail")) == [dead.pk]
+    job = Job.objects.get()
+    assert (job.state, job.attempts, job.max_attempts) == (State.QUEUED, 3, 6)
+    assert job.finished_at is None
+    assert claim_one().attempt == 4
+    assert engine.requeue_dead([job]) == []  # not dead any more: nothing happens

@@ -1,0 +1,136 @@
+"""The worker loop in-process: handlers run, settle, retry, die and fence correctly."""
+
+import threading
+
+import pytest
+from django.db import connection
+from structlog.testing import capture_logs
+
+from jobs import engine
+from jobs.context import JobContext
+from jobs.models import Job, Lease, Outcome, State
+from tests.testapp.models import Effect
+
+from .helpers import claim_one, expire_lease
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def test_jobs_succeed_retry_and_die(run_worker):
+    ok = engine.enqueue("test.echo", {"x": 1})
+    flaky = engine.enqueue("test.flaky", {"fail_times": 2})
+    doomed = engine.enqueue("test.fail", {"message": "disk full"})
+    permanent = engine.enqueue("test.permanent")
+    assert run_worker() == 1 + 3 + 3 + 1
+    assert Job.objects.get(pk=ok.pk).result == {"args": {"x": 1}, "attempt": 1}
+    flaky_job = Job.objects.get(pk=flaky.pk)
+    assert (flaky_job.state, flaky_job.result, flaky_job.attempts) == (State.SUCCEEDED, 3, 3)
+    dead = Job.objects.get(pk=doomed.pk)
+    assert (dead.state, dead.attempts) == (State.DEAD, 3)
+    assert dead.last_error == "RuntimeError: disk full (attempt 3)"
+    leases = list(dead.leases.order_by("lease_token"))
+    assert [lease.error_class for lease in leases] == ["RuntimeError"] * 3
+    assert all('raise RuntimeError(f"{message}' in lease.traceback for lease in leases)
+    assert leases[0].context["job_id"] == dead.pk
+    assert leases[0].context["lease_token"] == 1
+    perm = Job.objects.get(pk=permanent.pk)
+    assert (perm.state, perm.attempts) == (State.DEAD, 1)
+    assert perm.last_error.startswith("jobs.exceptions.PermanentError")
+
+
+def test_args_that_do_not_fit_the_handler_are_a_permanent_error(run_worker):
+    job = engine.enqueue("test.flaky", {"unexpected": 1})
+    run_worker()
+    job = Job.objects.get(pk=job.pk)
+    assert job.state == State.DEAD and job.attempts == 1
+    assert "args do not match handler" in job.last_error
+
+
+def test_a_kind_without_handler_goes_dead_with_a_clear_error(run_worker):
+    job = engine.enqueue("test.echo")
+    Job.objects.filter(pk=job.pk).update(kind="vanished.kind")
+    run_worker()
+    job = Job.objects.get(pk=job.pk)
+    assert job.state == State.DEAD
+    assert "no handler is registered for job kind 'vanished.kind'" in job.last_error
+
+
+def test_effects_in_atomic_complete_land_exactly_once(run_worker):
+    jobs = engine.enqueue_many("test.effect", [{} for _ in range(5)])
+    run_worker()
+    for job in jobs:
+        assert Job.objects.get(pk=job.pk).state == State.SUCCEEDED
+        assert Effect.objects.filter(job_id=job.pk, label="complete").count() == 1
+
+
+def test_every_transition_logs_one_event_with_the_job_bound(run_worker):
+    job = engine.enqueue("test.flaky", {"fail_times": 1})
+    with capture_logs() as logs:
+        run_worker(worker_id="w-log")
+    events = [entry for entry in logs if entry.get("job_id") == job.pk]
+    names = [entry["event"] for entry in events]
+    assert names == ["job_claimed", "job_retry_scheduled", "job_claimed", "job_succeeded"]
+    for entry in events:
+        assert entry["kind"] == "test.flaky" and entry["lane"] == "default"
+        assert entry["lease_token"] == entry["attempt"]
+    assert events[0]["worker_id"] == "w-log"
+
+
+def test_stale_attempt_cannot_commit_domain_writes():
+    """I2: a ctx.atomic() block of a reclaimed attempt rolls back entirely."""
+    engine.enqueue("test.effect")
+    old = claim_one("old")
+    ctx = JobContext(old, "old")
+    expire_lease(old.id)
+    engine.reclaim_expired()
+    new = claim_one("new")
+    with pytest.raises(engine.LeaseLost), ctx.atomic(complete=True):
+        Effect.objects.create(job_id=old.id, attempt=1, lease_token=1, label="stale")
+    assert ctx.lease_lost
+    assert not Effect.objects.exists()
+    with JobContext(new, "new").atomic(complete=True, result="ok"):
+        Effect.objects.create(job_id=new.id, attempt=2, lease_token=2, label="complete")
+    assert Job.objects.get().state == State.SUCCEEDED
+    assert list(Effect.objects.values_list("label", flat=True)) == ["complete"]
+
+
+def test_atomic_complete_then_normal_return_does_not_settle_twice(run_worker):
+    job = engine.enqueue("test.effect")
+    run_worker()
+    assert Lease.objects.get(job_id=job.pk).outcome == Outcome.SUCCEEDED
+    assert Job.objects.get(pk=job.pk).result == "done"
+
+
+def test_progress_is_recorded_and_fenced():
+    engine.enqueue("test.echo")
+    claimed = claim_one()
+    ctx = JobContext(claimed, "w1")
+    ctx.progress(3, 10, "pages")
+    assert Job.objects.get().progress == {"done": 3, "total": 10, "note": "pages"}
+    engine.complete(claimed)
+    with pytest.raises(engine.LeaseLost):
+        ctx.progress(4, 10)
+
+
+@pytest.mark.postgres
+def test_concurrent_claims_never_share_a_job():
+    """I1 under contention: 4 threads claim 200 jobs; every job is claimed exactly once."""
+    engine.enqueue_many("test.noop", [{} for _ in range(200)])
+    claimed: list[int] = []
+    lock = threading.Lock()
+
+    def claimer(name: str) -> None:
+        try:
+            while (job := engine.claim(name)) is not None:
+                with lock:
+                    claimed.append(job.id)
+        finally:
+            connection.close()
+
+    threads = [threading.Thread(target=claimer, args=(f"t{i}",)) for i in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(claimed) == 200 and len(set(claimed)) == 200
+    assert Lease.objects.count() == 200

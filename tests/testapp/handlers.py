@@ -1,0 +1,91 @@
+"""Job kinds used by the tests. Workers in subprocesses import them like any app's."""
+
+import os
+import time
+from typing import Any
+
+from jobs import PermanentError, handler
+from jobs.context import JobContext
+
+from .models import Effect
+
+
+def _effect(ctx: JobContext, label: str) -> None:
+    Effect.objects.create(
+        job_id=ctx.job_id,
+        attempt=ctx.attempt,
+        lease_token=ctx.lease_token,
+        label=label,
+        worker_id=ctx.worker_id,
+    )
+
+
+@handler("test.echo")
+def echo(ctx: JobContext, **args: Any) -> dict[str, Any]:
+    return {"args": args, "attempt": ctx.attempt}
+
+
+@handler("test.noop")
+def noop(ctx: JobContext, **args: Any) -> None:
+    return None
+
+
+@handler("test.fail", max_attempts=3, backoff=0)
+def fail(ctx: JobContext, *, message: str = "boom") -> None:
+    raise RuntimeError(f"{message} (attempt {ctx.attempt})")
+
+
+@handler("test.permanent", backoff=0)
+def permanent(ctx: JobContext) -> None:
+    raise PermanentError("this input can never work")
+
+
+@handler("test.flaky", max_attempts=5, backoff=0)
+def flaky(ctx: JobContext, *, fail_times: int) -> int:
+    if ctx.attempt <= fail_times:
+        raise ConnectionError(f"transient failure {ctx.attempt}")
+    return ctx.attempt
+
+
+@handler("test.effect", lease_seconds=2, backoff=0, max_attempts=20)
+def effect(ctx: JobContext, *, sleep: float = 0.0) -> str:
+    """Sleeps, then writes its effect in the same transaction that completes the job."""
+    if sleep:
+        time.sleep(sleep)
+    with ctx.atomic(complete=True, result="done"):
+        _effect(ctx, "complete")
+    return "done"
+
+
+@handler("test.progress_then_sleep", lease_seconds=2, backoff=0, max_attempts=20)
+def progress_then_sleep(ctx: JobContext, *, sleep: float = 0.0, marker: str = "") -> str:
+    """Sleeps (stop or kill it here), then writes progress and completes with an effect."""
+    if marker:
+        with open(marker, "w") as handle:
+            handle.write(str(os.getpid()))
+    time.sleep(sleep)
+    with ctx.atomic():
+        _effect(ctx, "progress")
+    with ctx.atomic(complete=True, result="done"):
+        _effect(ctx, "complete")
+    return "done"
+
+
+@handler("test.sleep", backoff=0)
+def sleep(ctx: JobContext, *, seconds: float, marker: str = "") -> float:
+    """Sleeps; writes ``marker`` when it starts so a test knows the job is running."""
+    if marker:
+        with open(marker, "w") as handle:
+            handle.write(str(os.getpid()))
+    time.sleep(seconds)
+    return seconds
+
+
+@handler("test.slow_return", lease_seconds=2, backoff=0, max_attempts=20)
+def slow_return(ctx: JobContext, *, sleep: float = 0.0, marker: str = "") -> dict[str, int]:
+    """Sleeps (stop or kill it here), then returns: the worker writes the completion."""
+    if marker:
+        with open(marker, "w") as handle:
+            handle.write(str(os.getpid()))
+    time.sleep(sleep)
+    return {"pid": os.getpid(), "lease_token": ctx.lease_token}
