@@ -29,6 +29,7 @@ class JobContext:
         self.job = job
         self.worker_id = worker_id
         self.completed = False
+        self.settling = False  # set by the worker once the handler has returned
         self.result: Any = None
         self._lease_lost = threading.Event()
         self._cancel_requested = threading.Event()

@@ -19,6 +19,7 @@ from typing import Any
 
 from django.db import IntegrityError, connection, transaction
 from django.db.models import F, Q, Subquery
+from django.db.models.base import ModelState
 from django.db.models.functions import Now
 from django.utils import timezone
 
@@ -41,6 +42,7 @@ log = get_logger("jobs.engine")
 NOTIFY_CHANNEL = "holdfast_jobs"
 MAX_ERROR_MESSAGE = 10_000
 MAX_TRACEBACK = 50_000
+ARGS_ENCODER = json.JSONEncoder(allow_nan=False)  # strict JSON: no NaN or Infinity
 
 
 # --- enqueue ---------------------------------------------------------------------------
@@ -99,7 +101,8 @@ def enqueue_many(
 ) -> list[Job]:
     """Enqueue one job per args dict with the same options; returns the jobs in order."""
     spec = get_handler(kind)
-    args_list = [_validated_args(args) for args in args_list]
+    args_list = list(args_list)
+    args_json = [_args_json(args) for args in args_list]
     if unique_key is not None and len(args_list) > 1:
         raise InvalidJob("unique_key names one job; it cannot be shared by enqueue_many")
     chosen = lane_config.resolve(kind, lane, spec.lane)
@@ -116,24 +119,29 @@ def enqueue_many(
                 log.warning("job_dropped", kind=kind, lane=chosen.name, count=len(args_list))
                 return []
             raise LaneFull(message)
-    jobs = [
-        Job(
-            kind=kind,
-            lane=chosen.name,
-            args=args,
-            priority=priority,
-            max_attempts=attempts_budget,
-            lease_seconds=_lease_seconds(spec),
-            unique_key=unique_key or (_args_key(kind, args) if spec.unique else None),
-            **({"run_at": when} if when is not None else {}),
-        )
-        for args in args_list
-    ]
+    template = Job(
+        kind=kind,
+        lane=chosen.name,
+        priority=priority,
+        max_attempts=attempts_budget,
+        lease_seconds=_lease_seconds(spec),
+    )
     with transaction.atomic():
-        if len(jobs) == 1 and jobs[0].unique_key is not None:
-            created = [_create_unique(jobs[0])]
+        if unique_key is not None or spec.unique:
+            created = [
+                _create_unique(
+                    _copy(template, args=args, unique_key=unique_key or _args_key(kind, text)),
+                    when,
+                )
+                for args, text in zip(args_list, args_json, strict=True)
+            ]
+        elif sql.is_postgres():
+            created = _insert_many(template, args_list, args_json, delay, run_at)
         else:
-            created = Job.objects.bulk_create(jobs, batch_size=5000)
+            created = Job.objects.bulk_create(
+                [_copy(template, args=args, run_at=when) for args in args_list],
+                batch_size=2000,
+            )
         _notify(chosen.name)
     if len(created) > 100:  # one line per bulk call, not per job
         log.info("jobs_enqueued", kind=kind, lane=chosen.name, count=len(created))
@@ -143,8 +151,54 @@ def enqueue_many(
     return created
 
 
-def _create_unique(job: Job) -> Job:
+def _copy(template: Job, **fields: Any) -> Job:
+    job = Job(**{f.attname: getattr(template, f.attname) for f in Job._meta.concrete_fields})
+    for name, value in fields.items():
+        if value is not None:
+            setattr(job, name, value)
+    return job
+
+
+def _insert_many(
+    template: Job,
+    args_list: list[dict[str, Any]],
+    args_json: list[str],
+    delay: float | timedelta | None,
+    run_at: datetime | None,
+) -> list[Job]:
+    """PostgreSQL bulk path: one INSERT … SELECT FROM unnest per 10,000 jobs.
+
+    Model instances for the new rows are built the way ``Model.from_db`` builds rows read
+    from the database, from one template's field values: ``Model.__init__`` per job would
+    cost more than the insert itself.
+    """
+    common = {f.attname: getattr(template, f.attname) for f in Job._meta.concrete_fields}
+    delay_seconds = delay.total_seconds() if isinstance(delay, timedelta) else delay
+    jobs: list[Job] = []
+    alias = connection.alias
+    for start in range(0, len(args_list), sql.BULK_INSERT_CHUNK):
+        rows = sql.insert_jobs(
+            common, args_json[start : start + sql.BULK_INSERT_CHUNK], delay_seconds, run_at
+        )
+        for (pk, job_run_at, created_at), args in zip(
+            rows, args_list[start : start + sql.BULK_INSERT_CHUNK], strict=True
+        ):
+            job = Job.__new__(Job)
+            job.__dict__.update(common)
+            job.__dict__.update(
+                id=pk, args=args, run_at=job_run_at, created_at=created_at, updated_at=created_at
+            )
+            job._state = ModelState()
+            job._state.adding = False
+            job._state.db = alias
+            jobs.append(job)
+    return jobs
+
+
+def _create_unique(job: Job, when: Any) -> Job:
     """Insert ``job`` unless an active job holds its unique key; then return that one."""
+    if when is not None:
+        job.run_at = when
     try:
         with transaction.atomic():
             job.save(force_insert=True)
@@ -158,11 +212,12 @@ def _create_unique(job: Job) -> Job:
         return existing
 
 
-def _validated_args(args: Any) -> dict[str, Any]:
+def _args_json(args: Any) -> str:
+    """The args as JSON text; refuses anything that is not a JSON object."""
     if not isinstance(args, dict):
         raise InvalidJob(f"job args must be a JSON object, not {type(args).__name__}")
     try:
-        return json.loads(json.dumps(args))
+        return ARGS_ENCODER.encode(args)
     except (TypeError, ValueError) as exc:
         raise InvalidJob(f"job args are not JSON-serializable: {exc}") from None
 
@@ -201,8 +256,9 @@ def _lease_seconds(spec: HandlerSpec) -> float:
     return float(spec.lease_seconds or settings.HOLDFAST_LEASE_SECONDS)
 
 
-def _args_key(kind: str, args: dict[str, Any]) -> str:
-    digest = hashlib.sha256(json.dumps(args, sort_keys=True).encode()).hexdigest()
+def _args_key(kind: str, args_json: str) -> str:
+    canonical = json.dumps(json.loads(args_json), sort_keys=True)
+    digest = hashlib.sha256(canonical.encode()).hexdigest()
     return f"{kind}:{digest[:32]}"
 
 
@@ -230,26 +286,8 @@ def job_log_context(job: Claimed, worker_id: str) -> dict[str, Any]:
 def claim(worker_id: str, lanes: Sequence[str] | None = None) -> Claimed | None:
     """Claim the best runnable job under a fresh lease (I1): one atomic statement."""
     job = sql.claim(worker_id, lanes)
-    if job is not None:
-        log.info(
-            "job_claimed",
-            expires_at=job.lease_expires_at.isoformat(),
-            **job_log_context(job, worker_id),
-        )
+    _log_claimed(job, worker_id)
     return job
-
-
-def complete(job: Claimed, result: Any = None) -> None:
-    """Mark ``job`` succeeded, fenced by its lease token; raise LeaseLost otherwise.
-
-    Called inside ``ctx.atomic(complete=True)`` it commits together with the handler's
-    writes (I4).
-    """
-    _settle(
-        job,
-        Settlement(state=State.SUCCEEDED, outcome=Outcome.SUCCEEDED, result=result),
-        "job_succeeded",
-    )
 
 
 @dataclass(frozen=True)
@@ -261,11 +299,23 @@ class Failure:
     permanent: bool = False
 
 
-def fail(job: Claimed, failure: Failure, backoff_seconds: float) -> str:
-    """Record a failed attempt: retry after ``backoff_seconds``, or ``dead`` when spent.
+@dataclass(frozen=True)
+class Verdict:
+    """How an attempt ends, decided by the worker and written by ``settle``."""
 
-    Returns the job's new state. Raises LeaseLost when the lease no longer holds.
-    """
+    how: Settlement
+    event: str
+    fields: dict[str, Any]
+
+
+def succeeded(result: Any = None) -> Verdict:
+    return Verdict(
+        Settlement(State.SUCCEEDED, Outcome.SUCCEEDED, result=result), "job_succeeded", {}
+    )
+
+
+def failed(job: Claimed, failure: Failure, backoff_seconds: float) -> Verdict:
+    """Retry after ``backoff_seconds``, or ``dead`` when the error is permanent or spent."""
     dead = failure.permanent or job.attempt >= job.max_attempts
     how = Settlement(
         state=State.DEAD if dead else State.QUEUED,
@@ -277,44 +327,91 @@ def fail(job: Claimed, failure: Failure, backoff_seconds: float) -> str:
         traceback=failure.traceback[-MAX_TRACEBACK:],
         context=failure.context,
     )
-    event = "job_dead" if dead else "job_retry_scheduled"
-    _settle(job, how, event, error=how.last_error, retry_in=None if dead else round(how.delay, 3))
-    return how.state
+    if dead:
+        return Verdict(how, "job_dead", {"error": how.last_error})
+    return Verdict(how, "job_retry_scheduled", {"error": how.last_error, "retry_in": how.delay})
+
+
+# Graceful shutdown gives the job back: queued again, this attempt not charged.
+RELEASED = Verdict(Settlement(State.QUEUED, Outcome.RELEASED, uncharge=True), "job_released", {})
+# The handler honoured a cancellation request.
+CANCELLED = Verdict(
+    Settlement(State.CANCELLED, Outcome.CANCELLED, last_error="cancelled on request"),
+    "job_cancelled",
+    {},
+)
+
+
+def settle(job: Claimed, verdict: Verdict) -> None:
+    """Write ``verdict`` for ``job``, fenced by its lease token; raise LeaseLost otherwise."""
+    settled, _ = sql.settle_and_claim(job, verdict.how, None, None)
+    if not _log_settled(job, verdict, settled):
+        raise LeaseLost(f"job {job.id} is no longer running under lease {job.lease_token}")
+
+
+def settle_and_claim(
+    job: Claimed, verdict: Verdict | None, worker_id: str | None, lanes: Sequence[str] | None
+) -> Claimed | None:
+    """Settle ``job`` and claim the worker's next job in the same commit.
+
+    Either part may be absent: no verdict (the handler completed inside
+    ``ctx.atomic(complete=True)``) or no worker id (the worker is stopping). A lost lease
+    is logged, not raised: the worker carries on with the next job.
+    """
+    settled, claimed = sql.settle_and_claim(job, verdict.how if verdict else None, worker_id, lanes)
+    if verdict is not None:
+        _log_settled(job, verdict, settled)
+    if worker_id is not None:
+        _log_claimed(claimed, worker_id)
+    return claimed
+
+
+def complete(job: Claimed, result: Any = None) -> None:
+    """Mark ``job`` succeeded, fenced by its lease token; raise LeaseLost otherwise.
+
+    Called inside ``ctx.atomic(complete=True)`` it commits together with the handler's
+    writes (I4).
+    """
+    settle(job, succeeded(result))
+
+
+def fail(job: Claimed, failure: Failure, backoff_seconds: float) -> str:
+    """Record a failed attempt; returns the job's new state (queued or dead)."""
+    verdict = failed(job, failure, backoff_seconds)
+    settle(job, verdict)
+    return verdict.how.state
 
 
 def release(job: Claimed) -> None:
-    """Give the job back on graceful shutdown: queued again, this attempt not charged."""
-    _settle(
-        job, Settlement(state=State.QUEUED, outcome=Outcome.RELEASED, uncharge=True), "job_released"
-    )
+    settle(job, RELEASED)
 
 
 def cancelled(job: Claimed) -> None:
-    """The handler honoured a cancellation request: the job ends ``cancelled``."""
-    _settle(
-        job,
-        Settlement(
-            state=State.CANCELLED,
-            outcome=Outcome.CANCELLED,
-            last_error="cancelled at the operator's request",
-        ),
-        "job_cancelled",
-    )
+    settle(job, CANCELLED)
 
 
-def _settle(job: Claimed, how: Settlement, event: str, **fields: Any) -> None:
-    if not sql.settle(job, how):
-        log.warning("lease_lost", during=event, job_id=job.id, lease_token=job.lease_token)
-        raise LeaseLost(f"job {job.id} is no longer running under lease {job.lease_token}")
-    log.info(
-        event,
-        job_id=job.id,
-        kind=job.kind,
-        lane=job.lane,
-        attempt=job.attempt,
-        lease_token=job.lease_token,
-        **fields,
-    )
+def _log_claimed(job: Claimed | None, worker_id: str) -> None:
+    if job is not None:
+        log.info(
+            "job_claimed",
+            expires_at=job.lease_expires_at.isoformat(),
+            **job_log_context(job, worker_id),
+        )
+
+
+def _log_settled(job: Claimed, verdict: Verdict, settled: bool) -> bool:
+    identity = {
+        "job_id": job.id,
+        "kind": job.kind,
+        "lane": job.lane,
+        "attempt": job.attempt,
+        "lease_token": job.lease_token,
+    }
+    if settled:
+        log.info(verdict.event, **identity, **verdict.fields)
+    else:
+        log.warning("lease_lost", during=verdict.event, **identity)
+    return settled
 
 
 def fence(job_id: int, lease_token: int) -> None:

@@ -79,7 +79,12 @@ class Job(models.Model):
                 condition=Q(state="running"),
             ),
             models.Index(fields=["state", "lane", "kind"], name="job_state_idx"),
-            models.Index(fields=["finished_at"], name="job_finished_idx"),
+            # Pruning by age reads only finished rows.
+            models.Index(
+                fields=["finished_at"],
+                name="job_finished_idx",
+                condition=Q(finished_at__isnull=False),
+            ),
         ]
         constraints = [
             # unique_key dedupes while a job with that key is queued or running.

@@ -63,8 +63,15 @@ CLAIMED_COLUMNS = (
     "id, kind, lane, args, attempts, max_attempts, lease_token, lease_seconds, lease_expires_at"
 )
 
-PG_CLAIM = f"""
-WITH candidate AS (
+
+def _columns(table: str) -> str:
+    return ", ".join(f"{table}.{column.strip()}" for column in CLAIMED_COLUMNS.split(","))
+
+
+# The claim, as CTEs: pick the best runnable row (skipping rows other workers are locking),
+# make it ours under the next lease token, and write the attempt's lease row.
+PG_CLAIM_CTES = f"""
+candidate AS (
     SELECT id FROM jobs_job
     WHERE state = 'queued' AND run_at <= statement_timestamp() {{lane_filter}}
     ORDER BY priority DESC, run_at, id
@@ -82,7 +89,7 @@ WITH candidate AS (
         updated_at = statement_timestamp()
     FROM candidate
     WHERE job.id = candidate.id AND job.state = 'queued'
-    RETURNING {", ".join("job." + c.strip() for c in CLAIMED_COLUMNS.split(","))}
+    RETURNING {_columns("job")}
 ), lease AS (
     INSERT INTO jobs_lease (job_id, attempt, lease_token, worker_id, acquired_at, expires_at,
                             outcome, error_class, error_message, traceback, context)
@@ -90,13 +97,12 @@ WITH candidate AS (
            'running', '', '', '', '{{{{}}}}'::jsonb
     FROM claimed
     RETURNING id
-)
-SELECT {", ".join("claimed." + c.strip() for c in CLAIMED_COLUMNS.split(","))}, lease.id
-FROM claimed CROSS JOIN lease
-"""
+)"""
 
-PG_SETTLE = """
-WITH settled AS (
+# The settle, as CTEs: fenced by state and lease token; the lease row is updated only if
+# the job row was.
+PG_SETTLE_CTES = """
+settled AS (
     UPDATE jobs_job SET
         state = %(state)s,
         run_at = CASE WHEN %(state)s = 'queued'
@@ -110,11 +116,50 @@ WITH settled AS (
         updated_at = statement_timestamp()
     WHERE id = %(job_id)s AND state = 'running' AND lease_token = %(token)s
     RETURNING id
-)
-UPDATE jobs_lease SET
-    outcome = %(outcome)s, released_at = statement_timestamp(), error_class = %(error_class)s,
-    error_message = %(error_message)s, traceback = %(traceback)s, context = %(context)s::jsonb
-WHERE id = %(lease_id)s AND EXISTS (SELECT 1 FROM settled)
+), settled_lease AS (
+    UPDATE jobs_lease SET
+        outcome = %(outcome)s, released_at = statement_timestamp(),
+        error_class = %(error_class)s, error_message = %(error_message)s,
+        traceback = %(traceback)s, context = %(context)s::jsonb
+    WHERE id = %(lease_id)s AND EXISTS (SELECT 1 FROM settled)
+    RETURNING id
+)"""
+
+PG_CLAIM = f"""
+WITH {PG_CLAIM_CTES}
+SELECT {_columns("claimed")}, lease.id FROM claimed CROSS JOIN lease
+"""
+
+PG_SETTLE = f"""
+WITH {PG_SETTLE_CTES}
+SELECT (SELECT count(*) FROM settled)
+"""
+
+# Settle one job and claim the next in one statement: one round trip and one commit per
+# job. The claim reads the snapshot from before the settle, so it never takes back the job
+# it just settled (that row is still 'running' there).
+PG_SETTLE_AND_CLAIM = f"""
+WITH {PG_SETTLE_CTES}, {PG_CLAIM_CTES}
+SELECT (SELECT count(*) FROM settled), {_columns("claimed")}, lease.id
+FROM (SELECT 1) AS one LEFT JOIN claimed ON true LEFT JOIN lease ON true
+"""
+
+BULK_INSERT_CHUNK = 10_000
+
+# Bulk enqueue: the options are the same for every job, only the args differ, so one
+# JSON array parameter carries them; ORDINALITY keeps RETURNING in the caller's order.
+PG_INSERT_JOBS = """
+INSERT INTO jobs_job (kind, lane, args, priority, state, run_at, attempts, max_attempts,
+                      lease_seconds, lease_token, cancel_requested, last_error,
+                      created_at, updated_at)
+SELECT %(kind)s, %(lane)s, a.args, %(priority)s, 'queued',
+       COALESCE(%(run_at)s::timestamptz,
+                statement_timestamp() + %(delay)s * interval '1 second'),
+       0, %(max_attempts)s, %(lease_seconds)s, 0, false, '',
+       statement_timestamp(), statement_timestamp()
+FROM jsonb_array_elements(%(args)s::jsonb) WITH ORDINALITY AS a(args, n)
+ORDER BY a.n
+RETURNING id, run_at, created_at
 """
 
 # SQLite: the same statements split in two, inside one BEGIN IMMEDIATE transaction.
@@ -178,44 +223,116 @@ def is_postgres() -> bool:
 
 def claim(worker_id: str, lanes: Sequence[str] | None) -> Claimed | None:
     """Take the best runnable job in ``lanes`` (all lanes when None) under a new lease."""
-    params: dict[str, Any] = {"worker": worker_id}
-    if is_postgres():
-        lane_filter = ""
-        if lanes is not None:
-            lane_filter = "AND lane = ANY(%(lanes)s)"
-            params["lanes"] = list(lanes)
-        with connection.cursor() as cursor:
-            cursor.execute(PG_CLAIM.format(lane_filter=lane_filter), params)
-            row = cursor.fetchone()
-        return _claimed(row) if row else None
-
-    lane_filter = ""
-    if lanes is not None:
-        names = [f"lane{i}" for i in range(len(lanes))]
-        lane_filter = f"AND lane IN ({', '.join(f'%({n})s' for n in names)})"
-        params.update(zip(names, lanes, strict=True))
-    with transaction.atomic(), connection.cursor() as cursor:
-        cursor.execute(SQLITE_CLAIM.format(lane_filter=lane_filter), params)
-        row = cursor.fetchone()
-        if row is None:
-            return None
-        cursor.execute(
-            SQLITE_INSERT_LEASE,
-            {
-                "job_id": row[0],
-                "attempt": row[4],
-                "token": row[6],
-                "worker": worker_id,
-                "expires": row[8],
-            },
-        )
-        (lease_id,) = cursor.fetchone()
-    return _claimed((*row, lease_id))
+    return settle_and_claim(None, None, worker_id, lanes)[1]
 
 
 def settle(job: Claimed, how: Settlement) -> bool:
     """Move ``job`` out of ``running`` as ``how`` says; False when the lease was lost."""
-    params: dict[str, Any] = {
+    return settle_and_claim(job, how, None, None)[0]
+
+
+def settle_and_claim(
+    job: Claimed | None,
+    how: Settlement | None,
+    worker_id: str | None,
+    lanes: Sequence[str] | None,
+) -> tuple[bool, Claimed | None]:
+    """Settle ``job`` (if given) and claim the next one (if ``worker_id``), in one commit.
+
+    Returns whether the settle matched (False: the lease was lost) and the claimed job.
+    """
+    settle = job is not None and how is not None
+    claim = worker_id is not None
+    if not (settle or claim):
+        return False, None
+    params: dict[str, Any] = {}
+    if job is not None and how is not None:
+        params.update(_settle_params(job, how))
+    lane_filter = ""
+    if worker_id is not None:
+        params["worker"] = worker_id
+        lane_filter = _lane_filter(lanes, params)
+    run = _pg_settle_and_claim if is_postgres() else _sqlite_settle_and_claim
+    return run(params, lane_filter, settle=settle, claim=claim)
+
+
+def _pg_settle_and_claim(
+    params: dict[str, Any], lane_filter: str, *, settle: bool, claim: bool
+) -> tuple[bool, Claimed | None]:
+    with connection.cursor() as cursor:
+        if settle and claim:
+            cursor.execute(PG_SETTLE_AND_CLAIM.format(lane_filter=lane_filter), params)
+            row = cursor.fetchone()
+            return row[0] == 1, (_claimed(row[1:]) if row[1] is not None else None)
+        if settle:
+            cursor.execute(PG_SETTLE, params)
+            return cursor.fetchone()[0] == 1, None
+        cursor.execute(PG_CLAIM.format(lane_filter=lane_filter), params)
+        row = cursor.fetchone()
+        return False, (_claimed(row) if row else None)
+
+
+def _sqlite_settle_and_claim(
+    params: dict[str, Any], lane_filter: str, *, settle: bool, claim: bool
+) -> tuple[bool, Claimed | None]:
+    settled, claimed = False, None
+    with transaction.atomic(), connection.cursor() as cursor:  # BEGIN IMMEDIATE
+        if settle:
+            cursor.execute(SQLITE_SETTLE_JOB, params)
+            settled = cursor.rowcount == 1
+            if settled:
+                cursor.execute(SQLITE_SETTLE_LEASE, params)
+        if claim:
+            cursor.execute(SQLITE_CLAIM.format(lane_filter=lane_filter), params)
+            row = cursor.fetchone()
+            if row is not None:
+                cursor.execute(
+                    SQLITE_INSERT_LEASE,
+                    {
+                        "job_id": row[0],
+                        "attempt": row[4],
+                        "token": row[6],
+                        "worker": params["worker"],
+                        "expires": row[8],
+                    },
+                )
+                (lease_id,) = cursor.fetchone()
+                claimed = _claimed((*row, lease_id))
+    return settled, claimed
+
+
+def insert_jobs(
+    common: dict[str, Any], args_json: list[str], delay: float | None, run_at: datetime | None
+) -> list[tuple[int, datetime, datetime]]:
+    """PostgreSQL: insert queued jobs sharing ``common`` options; rows in args order."""
+    params = {
+        "kind": common["kind"],
+        "lane": common["lane"],
+        "priority": common["priority"],
+        "max_attempts": common["max_attempts"],
+        "lease_seconds": common["lease_seconds"],
+        "run_at": run_at,
+        "delay": delay or 0.0,
+        "args": f"[{','.join(args_json)}]",  # one JSON document, parsed once
+    }
+    with connection.cursor() as cursor:
+        cursor.execute(PG_INSERT_JOBS, params)
+        return cursor.fetchall()
+
+
+def _lane_filter(lanes: Sequence[str] | None, params: dict[str, Any]) -> str:
+    if lanes is None:
+        return ""
+    if is_postgres():
+        params["lanes"] = list(lanes)
+        return "AND lane = ANY(%(lanes)s)"
+    names = [f"lane{i}" for i in range(len(lanes))]
+    params.update(zip(names, lanes, strict=True))
+    return f"AND lane IN ({', '.join(f'%({name})s' for name in names)})"
+
+
+def _settle_params(job: Claimed, how: Settlement) -> dict[str, Any]:
+    return {
         "job_id": job.id,
         "token": job.lease_token,
         "lease_id": job.lease_id,
@@ -228,19 +345,9 @@ def settle(job: Claimed, how: Settlement) -> bool:
         "error_message": how.error_message,
         "traceback": how.traceback,
         "context": json.dumps(how.context or {}, default=str),
+        "delay": how.delay,
+        "delay_modifier": f"{how.delay:+.3f} seconds",
     }
-    if is_postgres():
-        params["delay"] = how.delay
-        with connection.cursor() as cursor:
-            cursor.execute(PG_SETTLE, params)
-            return cursor.rowcount == 1
-    params["delay_modifier"] = f"{how.delay:+.3f} seconds"
-    with transaction.atomic(), connection.cursor() as cursor:
-        cursor.execute(SQLITE_SETTLE_JOB, params)
-        if cursor.rowcount != 1:
-            return False
-        cursor.execute(SQLITE_SETTLE_LEASE, params)
-        return True
 
 
 def _claimed(row: Sequence[Any]) -> Claimed:

@@ -102,20 +102,27 @@ class WorkerProcess:
         return self.stop_requested_at is not None
 
     def _loop(self) -> None:
-        while not self.stopping:
-            job = self._claim()
+        job: Claimed | None = None
+        while True:
+            if job is None:
+                job = self._claim()
             if job is None and self.burst and not self.stopping:
                 # Before leaving, recover what dead workers left behind and look once more.
-                self._with_db_retry(engine.reclaim_expired, give_up=lambda: self.stopping)
+                with contextlib.suppress(GaveUp):
+                    self._with_db_retry(engine.reclaim_expired, give_up=lambda: self.stopping)
                 job = self._claim()
                 if job is None:
                     return
             if job is not None:
-                self._run(job)
-            elif not self.stopping:
+                job = self._run(job)  # settling it claims the next one in the same commit
+            elif self.stopping:
+                return
+            else:
                 self._waker.wait(self.poll_seconds)
 
     def _claim(self) -> Claimed | None:
+        if self.stopping:
+            return None
         try:
             return self._with_db_retry(
                 lambda: engine.claim(self.worker_id, self.lanes), give_up=lambda: self.stopping
@@ -143,15 +150,17 @@ class WorkerProcess:
 
     # --- one job -----------------------------------------------------------------------
 
-    def _run(self, job: Claimed) -> None:
+    def _run(self, job: Claimed) -> Claimed | None:
+        """Run ``job``, settle it, and return the next job claimed in that same commit."""
         ctx = JobContext(job, self.worker_id)
         with self._current_lock:
             self.current = (job, ctx)
         bound = engine.job_log_context(job, self.worker_id)
         structlog.contextvars.bind_contextvars(**bound)
         try:
-            settle = self._execute(job, ctx)
-            self._settle_until_written(job, settle)
+            verdict = self._execute(job, ctx)
+            ctx.settling = True  # from here on a heartbeat may rightly find the job settled
+            return self._settle(job, verdict)
         finally:
             with self._current_lock:
                 self.current = None
@@ -159,8 +168,8 @@ class WorkerProcess:
             structlog.contextvars.bind_contextvars(worker_id=self.worker_id)
             self.processed += 1
 
-    def _execute(self, job: Claimed, ctx: JobContext) -> Callable[[], Any] | None:
-        """Run the handler; return the settlement to write (None: nothing to write)."""
+    def _execute(self, job: Claimed, ctx: JobContext) -> engine.Verdict | None:
+        """Run the handler; return the verdict to write (None: nothing left to write)."""
         try:
             spec = get_handler(job.kind)
             call = _bind(spec, ctx, job.args)
@@ -168,12 +177,12 @@ class WorkerProcess:
             if ctx.completed:
                 return None  # committed inside ctx.atomic(complete=True)
             _check_json(result)
-            return lambda: engine.complete(job, result)
+            return engine.succeeded(result)
         except LeaseLost:
             log.warning("lease_lost", during="handler")
             return None
         except Cancelled:
-            return lambda: engine.cancelled(job)
+            return engine.CANCELLED
         except Exception as exc:
             failure = engine.Failure(
                 error_class=_class_path(exc),
@@ -182,20 +191,20 @@ class WorkerProcess:
                 context=bound_context(),
                 permanent=isinstance(exc, PermanentError | UnknownKind),
             )
-            delay = _backoff(job)
-            return lambda: engine.fail(job, failure, delay)
+            return engine.failed(job, failure, _backoff(job))
 
-    def _settle_until_written(self, job: Claimed, settle: Callable[[], Any] | None) -> None:
-        """Write the settlement, waiting out a database outage.
+    def _settle(self, job: Claimed, verdict: engine.Verdict | None) -> Claimed | None:
+        """Write the verdict and claim the next job (unless stopping) in one commit.
 
-        If the lease ran out meanwhile and the job was reclaimed, the fenced statement
-        matches nothing and the engine raises LeaseLost: the job belongs to another
-        attempt now, and this one's outcome is dropped.
+        A database outage is waited out: the statement is retried until it lands. If the
+        lease ran out meanwhile and the job was reclaimed, the fenced settle matches
+        nothing (logged as ``lease_lost``): that job belongs to another attempt now.
         """
-        if settle is None:
-            return
-        with contextlib.suppress(LeaseLost):  # logged by the engine
-            self._with_db_retry(settle)
+        return self._with_db_retry(
+            lambda: engine.settle_and_claim(
+                job, verdict, None if self.stopping else self.worker_id, self.lanes
+            )
+        )
 
     # --- the lease keeper thread -------------------------------------------------------
 
@@ -232,11 +241,13 @@ class WorkerProcess:
             connection.close()
 
     def _renew(self, ctx: JobContext) -> None:
-        if ctx.lease_lost:
+        if ctx.lease_lost or ctx.settling:
             return
         try:
             ctx.heartbeat()
         except LeaseLost:
+            if ctx.settling:
+                return  # the main thread settled the job while this heartbeat was in flight
             log.warning(
                 "lease_lost", during="heartbeat", job_id=ctx.job_id, lease_token=ctx.lease_token
             )
