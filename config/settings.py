@@ -7,6 +7,7 @@ safe default, so a fresh clone runs on the embedded SQLite database under ``var/
 import os
 import secrets
 from pathlib import Path
+from typing import Any
 
 import dj_database_url
 from django.core.exceptions import ImproperlyConfigured
@@ -83,13 +84,13 @@ WSGI_APPLICATION = "config.wsgi.application"
 ASGI_APPLICATION = "config.asgi.application"
 
 
-def database_config() -> dict:
+def database_config() -> dict[str, Any]:
     url = os.environ.get("DATABASE_URL", "").strip()
     if not url:
         VAR_DIR.mkdir(parents=True, exist_ok=True)
         url = f"sqlite:///{VAR_DIR / 'holdfast.sqlite3'}"
     try:
-        config = dict(dj_database_url.parse(url))
+        config: dict[str, Any] = dict(dj_database_url.parse(url))
     except Exception as exc:  # dj-database-url raises several types for bad URLs
         raise ImproperlyConfigured(f"DATABASE_URL is not a usable database URL: {exc}") from None
     engine = config["ENGINE"]
@@ -108,6 +109,8 @@ def database_config() -> dict:
         # Workers keep their connection across jobs; health checks replace dead ones.
         config["CONN_MAX_AGE"] = None
         config["CONN_HEALTH_CHECKS"] = True
+        # A partitioned network must fail fast, so the worker can log and back off.
+        config["OPTIONS"] = {"connect_timeout": 10, **dict(config.get("OPTIONS") or {})}
         test_url = os.environ.get("TEST_DATABASE_URL", "").strip()
         if test_url:
             config["TEST"] = {"NAME": dj_database_url.parse(test_url)["NAME"]}

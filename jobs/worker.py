@@ -172,8 +172,8 @@ class WorkerProcess:
         """Run the handler; return the verdict to write (None: nothing left to write)."""
         try:
             spec = get_handler(job.kind)
-            call = _bind(spec, ctx, job.args)
-            result = call()
+            bound = _bind(spec, ctx, job.args)
+            result = spec.func(*bound.args, **bound.kwargs)
             if ctx.completed:
                 return None  # committed inside ctx.atomic(complete=True)
             _check_json(result)
@@ -187,7 +187,7 @@ class WorkerProcess:
             failure = engine.Failure(
                 error_class=_class_path(exc),
                 message=str(exc),
-                traceback=traceback.format_exc(),
+                traceback=_handler_traceback(exc),
                 context=bound_context(),
                 permanent=isinstance(exc, PermanentError | UnknownKind),
             )
@@ -298,13 +298,18 @@ class WorkerProcess:
             connection.close()
 
 
-def _bind(spec: HandlerSpec, ctx: JobContext, args: dict[str, Any]) -> Callable[[], Any]:
+def _bind(spec: HandlerSpec, ctx: JobContext, args: dict[str, Any]) -> inspect.BoundArguments:
     """Check the job's args against the handler's signature before running it."""
     try:
-        bound = inspect.signature(spec.func).bind(ctx, **args)
+        return inspect.signature(spec.func).bind(ctx, **args)
     except TypeError as exc:
         raise PermanentError(f"args do not match handler {spec.kind!r}: {exc}") from None
-    return lambda: spec.func(*bound.args, **bound.kwargs)
+
+
+def _handler_traceback(exc: BaseException) -> str:
+    """The traceback from the handler's frame down, without the worker's own frame."""
+    tb = exc.__traceback__
+    return "".join(traceback.format_exception(type(exc), exc, tb.tb_next if tb else None))
 
 
 def _check_json(result: Any) -> None:
