@@ -317,19 +317,34 @@ def succeeded(result: Any = None) -> Verdict:
 def failed(job: Claimed, failure: Failure, backoff_seconds: float) -> Verdict:
     """Retry after ``backoff_seconds``, or ``dead`` when the error is permanent or spent."""
     dead = failure.permanent or job.attempt >= job.max_attempts
+    error_class, message = storable(failure.error_class), storable(failure.message)
     how = Settlement(
         state=State.DEAD if dead else State.QUEUED,
         outcome=Outcome.FAILED,
         delay=0.0 if dead else max(0.0, backoff_seconds),
-        last_error=f"{failure.error_class}: {failure.message}"[:MAX_ERROR_MESSAGE],
-        error_class=failure.error_class,
-        error_message=failure.message[:MAX_ERROR_MESSAGE],
-        traceback=failure.traceback[-MAX_TRACEBACK:],
-        context=failure.context,
+        last_error=f"{error_class}: {message}"[:MAX_ERROR_MESSAGE],
+        error_class=error_class,
+        error_message=message[:MAX_ERROR_MESSAGE],
+        traceback=storable(failure.traceback)[-MAX_TRACEBACK:],
+        context=storable(failure.context),
     )
     if dead:
         return Verdict(how, "job_dead", {"error": how.last_error})
     return Verdict(how, "job_retry_scheduled", {"error": how.last_error, "retry_in": how.delay})
+
+
+def storable(value: Any) -> Any:
+    """``value`` with NUL characters escaped: PostgreSQL text and jsonb cannot hold them.
+
+    An error message is evidence for the operator; it must be stored, not refused.
+    """
+    if isinstance(value, str):
+        return value.replace("\x00", "\\x00")
+    if isinstance(value, dict):
+        return {storable(str(key)): storable(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [storable(item) for item in value]
+    return value
 
 
 # Graceful shutdown gives the job back: queued again, this attempt not charged.

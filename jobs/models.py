@@ -31,7 +31,6 @@ class Outcome(models.TextChoices):
     LEASE_EXPIRED = "lease_expired"  # the worker vanished; the job was reclaimed
     RELEASED = "released"  # graceful shutdown gave the job back, not charged
     CANCELLED = "cancelled"
-    LEASE_LOST = "lease_lost"  # the worker found out it had lost the lease
 
 
 class Job(models.Model):

@@ -29,7 +29,13 @@ from typing import Any, TypeVar
 
 import structlog
 from django.conf import settings
-from django.db import InterfaceError, OperationalError, close_old_connections, connection
+from django.db import (
+    DatabaseError,
+    InterfaceError,
+    OperationalError,
+    close_old_connections,
+    connection,
+)
 
 from . import engine
 from .context import JobContext
@@ -82,15 +88,22 @@ class WorkerProcess:
         previous = self._install_signal_handlers()
         structlog.contextvars.bind_contextvars(worker_id=self.worker_id)
         self._waker = waker_for_database()
-        self._with_db_retry(lambda: engine.register_worker(self.worker_id, self.lanes))
         keeper = threading.Thread(target=self._keep_leases, name="lease-keeper", daemon=True)
-        keeper.start()
         try:
-            self._loop()
+            # A signal while the database is still unreachable stops the worker: it holds
+            # nothing yet, so there is nothing to hand back.
+            with contextlib.suppress(GaveUp):
+                self._with_db_retry(
+                    lambda: engine.register_worker(self.worker_id, self.lanes),
+                    give_up=lambda: self.stopping,
+                )
+                keeper.start()
+                self._loop()
         finally:
             self._keeper_stop.set()
             self._waker.close()
-            keeper.join(timeout=10)
+            if keeper.is_alive():
+                keeper.join(timeout=10)
             self._quietly(lambda: engine.worker_stopped(self.worker_id))
             log.info("worker_exiting", processed=self.processed)
             for signum, handler in previous.items():
@@ -200,11 +213,26 @@ class WorkerProcess:
         lease ran out meanwhile and the job was reclaimed, the fenced settle matches
         nothing (logged as ``lease_lost``): that job belongs to another attempt now.
         """
-        return self._with_db_retry(
-            lambda: engine.settle_and_claim(
-                job, verdict, None if self.stopping else self.worker_id, self.lanes
+
+        def write(verdict: engine.Verdict | None) -> Claimed | None:
+            return self._with_db_retry(
+                lambda: engine.settle_and_claim(
+                    job, verdict, None if self.stopping else self.worker_id, self.lanes
+                )
             )
-        )
+
+        try:
+            return write(verdict)
+        except DatabaseError as exc:  # not an outage: the database refuses this outcome
+            log.error("settlement_refused", job_id=job.id, error=_one_line(exc))
+            failure = engine.Failure(
+                error_class=_class_path(exc),
+                message=f"the attempt's outcome could not be stored: {_one_line(exc)}",
+                traceback="",
+                context=bound_context(),
+                permanent=True,
+            )
+            return write(engine.failed(job, failure, 0.0))
 
     # --- the lease keeper thread -------------------------------------------------------
 

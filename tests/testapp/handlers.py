@@ -89,3 +89,15 @@ def slow_return(ctx: JobContext, *, sleep: float = 0.0, marker: str = "") -> dic
             handle.write(str(os.getpid()))
     time.sleep(sleep)
     return {"pid": os.getpid(), "lease_token": ctx.lease_token}
+
+
+@handler("test.nul_result", backoff=0, max_attempts=2)
+def nul_result(ctx: JobContext) -> dict[str, str]:
+    """Returns text with a NUL character (PostgreSQL text and jsonb cannot hold one)."""
+    return {"text": "before\x00after"}
+
+
+@handler("test.nul_error", backoff=0, max_attempts=2)
+def nul_error(ctx: JobContext) -> None:
+    """Fails with a message holding raw bytes, as a parser quoting its input might."""
+    raise ValueError("unparseable header: \x00\x01")

@@ -1,0 +1,152 @@
+"""The database crashes under running workers (PostgreSQL, crash-like ``immediate``
+restarts of a throwaway cluster): the workers survive, the queue drains, and every job's
+effect is applied exactly once (I3, I4, DESIGN §3 "a worker survives a database outage").
+
+This test never touches the test database: it runs its own cluster in ``tmp_path`` and
+reads it with psycopg. It fails (never skips) when no cluster can be started.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import psycopg
+import pytest
+
+from tests.support.pgcluster import Cluster
+from tests.support.workers import WorkerPool, wait_until
+
+pytestmark = [pytest.mark.process, pytest.mark.postgres, pytest.mark.timeout(120)]
+
+JOBS = 40
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[Cluster]:
+    with Cluster(tmp_path / "pg") as running:
+        running.create_database("holdfast")
+        yield running
+
+
+def cluster_env(cluster: Cluster, tmp_path: Path) -> dict[str, str]:
+    env = dict(os.environ)
+    env.pop("TEST_DATABASE_URL", None)
+    env.update(
+        DJANGO_SETTINGS_MODULE="tests.settings",
+        DATABASE_URL=cluster.url("holdfast"),
+        HOLDFAST_VAR_DIR=str(tmp_path / "var"),
+        LOG_FORMAT="json",
+        LOG_LEVEL="INFO",
+        HOLDFAST_POLL_SECONDS="0.2",
+        HOLDFAST_RECLAIM_SECONDS="1",
+        PYTHONUNBUFFERED="1",
+    )
+    return env
+
+
+class Probe:
+    """Reads the cluster's tables with short-lived psycopg connections (the database
+    restarts under it, so no connection is kept)."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+
+    def rows(self, sql: str) -> list[tuple]:
+        with psycopg.connect(self.url, connect_timeout=3) as conn:
+            return conn.execute(sql).fetchall()
+
+    def try_count(self, sql: str) -> int:
+        try:
+            return self.rows(sql)[0][0]
+        except psycopg.OperationalError:
+            return -1
+
+    def succeeded(self) -> int:
+        return self.try_count("SELECT count(*) FROM jobs_job WHERE state = 'succeeded'")
+
+
+def test_workers_survive_database_crashes_and_apply_each_effect_once(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    env = cluster_env(cluster, tmp_path)
+    probe = Probe(cluster.url("holdfast"))
+    with WorkerPool(env, tmp_path / "logs") as pool:
+        migrate = pool.command("migrate", "-v", "0", timeout=60)
+        assert migrate.returncode == 0, migrate.describe()
+        pool.python(
+            "from jobs.engine import enqueue_many\n"
+            f"enqueue_many('test.effect', [{{'sleep': 0.15}}] * {JOBS})\n"
+        )
+        assert probe.rows("SELECT count(*) FROM jobs_job WHERE state = 'queued'") == [(JOBS,)]
+
+        workers = [pool.start(f"w{i}") for i in (1, 2)]
+
+        def describe() -> str:
+            jobs = probe.rows("SELECT state, count(*) FROM jobs_job GROUP BY state")
+            return f"jobs by state: {jobs}\n{pool.describe()}"
+
+        # Crash the database twice while the workers are busy: a crash-like restart, then
+        # a crash followed by an outage longer than the jobs' 2 s leases.
+        threshold = 5
+        for crash, outage in ((1, 0.0), (2, 3.0)):
+            wait_until(
+                lambda t=threshold: probe.succeeded() >= t,
+                30,
+                interval=0.05,
+                message=lambda c=crash: f"no progress before crash {c}\n{describe()}",
+            )
+            cluster.stop("immediate")
+            time.sleep(outage)
+            cluster.start()
+            assert all(worker.alive for worker in workers), pool.describe()
+            threshold = max(probe.succeeded(), 0) + 5
+            assert threshold < JOBS, "the queue drained before the crash: lower the job rate"
+
+        wait_until(
+            lambda: probe.succeeded() == JOBS,
+            60,
+            interval=0.2,
+            message=lambda: f"queue not drained after the crashes\n{describe()}",
+        )
+        # The workers lived through it, noticed the outage and kept working.
+        assert all(worker.alive for worker in workers), pool.describe()
+        assert any(worker.events("database_unavailable") for worker in workers), pool.describe()
+
+        states = probe.rows("SELECT state, count(*) FROM jobs_job GROUP BY state")
+        assert states == [("succeeded", JOBS)]
+        per_job = probe.rows(
+            "SELECT j.id, j.lease_token, j.attempts, count(e.id), "
+            "       min(e.lease_token), min(e.attempt) "
+            "FROM jobs_job j LEFT JOIN testapp_effect e "
+            "  ON e.job_id = j.id AND e.label = 'complete' "
+            "GROUP BY j.id ORDER BY j.id"
+        )
+        assert len(per_job) == JOBS
+        for job_id, token, attempts, effects, effect_token, effect_attempt in per_job:
+            assert effects == 1, f"job {job_id} has {effects} effects\n{describe()}"
+            assert (effect_token, effect_attempt) == (token, attempts), f"job {job_id}"
+        assert probe.rows("SELECT count(*) FROM testapp_effect") == [(JOBS,)]
+        assert (
+            probe.rows(
+                "SELECT j.id FROM jobs_job j WHERE (SELECT count(*) FROM jobs_lease l "
+                "WHERE l.job_id = j.id AND l.outcome = 'succeeded') <> 1"
+            )
+            == []
+        )
+        assert probe.rows("SELECT count(*) FROM jobs_lease WHERE outcome = 'running'") == [(0,)]
+        # I1: each attempt's lease began after the previous one was released.
+        overlapping = probe.rows(
+            "SELECT a.job_id, a.lease_token FROM jobs_lease a JOIN jobs_lease b "
+            "  ON b.job_id = a.job_id AND b.lease_token = a.lease_token + 1 "
+            "WHERE a.released_at IS NULL OR a.released_at > b.acquired_at"
+        )
+        assert overlapping == []
+
+        # And they still stop cleanly.
+        for worker in workers:
+            worker.terminate()
+        for worker in workers:
+            assert worker.wait_exit(timeout=15) == 0, worker.describe()
