@@ -253,7 +253,7 @@ class WorkerProcess:
                         last_job_beat = (job.lease_id, now)
                     elif now - last_job_beat[1] >= interval:
                         last_job_beat = (job.lease_id, now)
-                        self._renew(ctx)
+                        self._quietly(functools.partial(self._renew, ctx))
                     self._enforce_grace(job)
                 if now >= next_worker_beat:
                     next_worker_beat = now + 5
@@ -319,11 +319,14 @@ class WorkerProcess:
                 delay = min(delay * 2, MAX_DB_BACKOFF)
 
     def _quietly(self, step: Callable[[], Any]) -> None:
+        """Run a background step; log its failure instead of letting it end the thread."""
         try:
             step()
         except DB_ERRORS as exc:
             log.warning("database_unavailable", error=_one_line(exc), during="background")
             connection.close()
+        except Exception:
+            log.exception("background_step_failed")
 
 
 def _bind(spec: HandlerSpec, ctx: JobContext, args: dict[str, Any]) -> inspect.BoundArguments:
