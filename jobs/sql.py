@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
+import psycopg
 from django.db import connection, transaction
 from django.utils.dateparse import parse_datetime
 
@@ -82,7 +83,7 @@ candidate AS (
         state = 'running',
         attempts = job.attempts + 1,
         lease_token = job.lease_token + 1,
-        leased_by = %(worker)s,
+        leased_by = %(worker)s::text,
         lease_expires_at = statement_timestamp() + job.lease_seconds * interval '1 second',
         heartbeat_at = statement_timestamp(),
         started_at = statement_timestamp(),
@@ -93,7 +94,7 @@ candidate AS (
 ), lease AS (
     INSERT INTO jobs_lease (job_id, attempt, lease_token, worker_id, acquired_at, expires_at,
                             outcome, error_class, error_message, traceback, context)
-    SELECT id, attempts, lease_token, %(worker)s, statement_timestamp(), lease_expires_at,
+    SELECT id, attempts, lease_token, %(worker)s::text, statement_timestamp(), lease_expires_at,
            'running', '', '', '', '{{{{}}}}'::jsonb
     FROM claimed
     RETURNING id
@@ -104,24 +105,25 @@ candidate AS (
 PG_SETTLE_CTES = """
 settled AS (
     UPDATE jobs_job SET
-        state = %(state)s,
-        run_at = CASE WHEN %(state)s = 'queued'
-                      THEN statement_timestamp() + %(delay)s * interval '1 second' ELSE run_at END,
-        attempts = attempts - %(uncharge)s,
+        state = %(state)s::text,
+        run_at = CASE WHEN %(state)s::text = 'queued'
+                      THEN statement_timestamp() + %(delay)s::float8 * interval '1 second'
+                      ELSE run_at END,
+        attempts = attempts - %(uncharge)s::integer,
         result = %(result)s::jsonb,
-        last_error = COALESCE(%(last_error)s, last_error),
-        finished_at = CASE WHEN %(state)s = 'queued' THEN NULL ELSE statement_timestamp() END,
+        last_error = COALESCE(%(last_error)s::text, last_error),
+        finished_at = CASE WHEN %(state)s::text = 'queued' THEN NULL ELSE statement_timestamp() END,
         leased_by = NULL,
         lease_expires_at = NULL,
         updated_at = statement_timestamp()
-    WHERE id = %(job_id)s AND state = 'running' AND lease_token = %(token)s
+    WHERE id = %(job_id)s::bigint AND state = 'running' AND lease_token = %(token)s::bigint
     RETURNING id
 ), settled_lease AS (
     UPDATE jobs_lease SET
-        outcome = %(outcome)s, released_at = statement_timestamp(),
-        error_class = %(error_class)s, error_message = %(error_message)s,
-        traceback = %(traceback)s, context = %(context)s::jsonb
-    WHERE id = %(lease_id)s AND EXISTS (SELECT 1 FROM settled)
+        outcome = %(outcome)s::text, released_at = statement_timestamp(),
+        error_class = %(error_class)s::text, error_message = %(error_message)s::text,
+        traceback = %(traceback)s::text, context = %(context)s::jsonb
+    WHERE id = %(lease_id)s::bigint AND EXISTS (SELECT 1 FROM settled)
     RETURNING id
 )"""
 
@@ -259,17 +261,31 @@ def settle_and_claim(
 def _pg_settle_and_claim(
     params: dict[str, Any], lane_filter: str, *, settle: bool, claim: bool
 ) -> tuple[bool, Claimed | None]:
-    with connection.cursor() as cursor:
-        if settle and claim:
-            cursor.execute(PG_SETTLE_AND_CLAIM.format(lane_filter=lane_filter), params)
-            row = cursor.fetchone()
-            return row[0] == 1, (_claimed(row[1:]) if row[1] is not None else None)
-        if settle:
-            cursor.execute(PG_SETTLE, params)
-            return cursor.fetchone()[0] == 1, None
-        cursor.execute(PG_CLAIM.format(lane_filter=lane_filter), params)
-        row = cursor.fetchone()
-        return False, (_claimed(row) if row else None)
+    if settle and claim:
+        row = _pg_prepared(PG_SETTLE_AND_CLAIM.format(lane_filter=lane_filter), params)
+        return row[0] == 1, (_claimed(row[1:]) if row[1] is not None else None)
+    if settle:
+        return _pg_prepared(PG_SETTLE, params)[0] == 1, None
+    row = _pg_prepared(PG_CLAIM.format(lane_filter=lane_filter), params)
+    return False, (_claimed(row) if row else None)
+
+
+def _pg_prepared(query: str, params: dict[str, Any]) -> Any:
+    """Run a hot-path statement as a prepared statement; return its one row (or None).
+
+    Django's psycopg cursors bind parameters client-side and never prepare, so each claim
+    and settle would be parsed and planned again: more server time than executing it.
+    This runs the statement on a server-side-binding cursor of the same connection (so it
+    joins Django's current transaction, if any), prepared once per connection. That is
+    why every placeholder in these statements carries an explicit type.
+    """
+    connection.ensure_connection()
+    raw = connection.connection
+    if raw.prepare_threshold is None:
+        raw.prepare_threshold = 2**31 - 1  # only prepare=True statements get prepared
+    with connection.wrap_database_errors, psycopg.Cursor(raw) as cursor:
+        cursor.execute(query, params, prepare=True)
+        return cursor.fetchone()
 
 
 def _sqlite_settle_and_claim(
@@ -325,7 +341,7 @@ def _lane_filter(lanes: Sequence[str] | None, params: dict[str, Any]) -> str:
         return ""
     if is_postgres():
         params["lanes"] = list(lanes)
-        return "AND lane = ANY(%(lanes)s)"
+        return "AND lane = ANY(%(lanes)s::text[])"
     names = [f"lane{i}" for i in range(len(lanes))]
     params.update(zip(names, lanes, strict=True))
     return f"AND lane IN ({', '.join(f'%({name})s' for name in names)})"

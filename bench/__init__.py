@@ -1,0 +1,1 @@
+"""Holdfast benchmarks: ``python bench/run.py`` (see docs/benchmarks.md)."""

@@ -1,0 +1,12 @@
+"""The benchmark's job kinds, registered like any app's (autodiscovered at worker start)."""
+
+from typing import Any
+
+from jobs import handler
+from jobs.context import JobContext
+
+
+@handler("bench.noop", max_attempts=1)
+def noop(ctx: JobContext, **args: Any) -> None:
+    """Does nothing: what is left to measure is the engine's own cost per job."""
+    return None
