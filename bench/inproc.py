@@ -96,8 +96,21 @@ def profile(n: int, top: int = 30) -> dict[str, Any]:
     }
 
 
+def enqueue_spaced(n: int) -> dict[str, Any]:
+    """One job at a time, 50-150 ms apart, for an idle worker to pick up (wake latency)."""
+    import random
+
+    from jobs.engine import enqueue
+
+    for i in range(n):
+        time.sleep(random.uniform(0.05, 0.15))
+        enqueue(KIND, {"i": i})
+    return {"jobs": n}
+
+
 COMMANDS = {
     "enqueue-single": enqueue_single,
+    "enqueue-spaced": enqueue_spaced,
     "enqueue-bulk": enqueue_bulk,
     "profile": profile,
 }

@@ -54,6 +54,8 @@ WORKER_TIMEOUT = 600
 TARGET_ONE_WORKER = 0.8  # x the raw bound with one process
 TARGET_SCALING = 1.8  # two workers x one worker
 TARGET_ENQUEUE_MANY = 50_000  # jobs/s
+TARGET_WAKE_P50_MS = 50.0  # an idle PostgreSQL worker claims a new job within this (p50)
+WAKE_SAMPLES = 40
 
 
 # --- databases -------------------------------------------------------------------------
@@ -298,6 +300,50 @@ def holdfast_workers(
     return throughput(rows, wall)
 
 
+def wake_latency(db: Database, tmp: Path, samples: int) -> list[float]:
+    """Milliseconds from each job's insert to its claim by an idle worker, sorted.
+
+    Jobs are enqueued one at a time while one ``runworker`` waits. On PostgreSQL the
+    worker's poll interval is set to 5 s, so only LISTEN/NOTIFY can explain a fast claim;
+    SQLite has no NOTIFY and shows the default 1 s polling.
+    """
+    reset(db)
+    env = django_env(db, tmp)
+    if db.vendor == "postgres":
+        env["HOLDFAST_POLL_SECONDS"] = "5"
+    log_path = tmp / f"worker-{db.vendor}-wake.log"
+    with open(log_path, "w") as log_file:
+        worker = subprocess.Popen(
+            [sys.executable, "manage.py", "runworker", "--worker-id", "bench-idle"],
+            cwd=ROOT,
+            env=env,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        deadline = time.monotonic() + 30
+        while not fetch(db, "SELECT 1 FROM jobs_worker WHERE stopped_at IS NULL"):
+            if time.monotonic() > deadline or worker.poll() is not None:
+                raise RuntimeError(f"idle worker did not start:\n{log_path.read_text()[-3000:]}")
+            time.sleep(0.1)
+        time.sleep(1.0)  # let it reach its idle wait
+        inproc(db, tmp, "enqueue-spaced", samples)
+        deadline = time.monotonic() + 60
+        query = "SELECT count(*) FROM jobs_job WHERE state = 'succeeded'"
+        while fetch(db, query)[0][0] < samples:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"jobs not claimed:\n{log_path.read_text()[-3000:]}")
+            time.sleep(0.1)
+    finally:
+        worker.terminate()
+        worker.wait(30)
+    rows = fetch(
+        db,
+        "SELECT l.acquired_at, j.created_at FROM jobs_lease l JOIN jobs_job j ON j.id = l.job_id",
+    )
+    return sorted((_ts(acquired) - _ts(created)) * 1000 for acquired, created in rows)
+
+
 def median_of(runs: list[Throughput]) -> Throughput:
     return sorted(runs, key=lambda t: t.rate)[len(runs) // 2]
 
@@ -443,6 +489,23 @@ def measure(db: Database, tmp: Path, opts: Options, say: Any) -> tuple[list[Row]
             )
         )
 
+    say(f"[{db.vendor}] wake-up latency of an idle worker, {WAKE_SAMPLES} jobs")
+    latencies = wake_latency(db, tmp, WAKE_SAMPLES)
+    p50, p90 = latencies[len(latencies) // 2], latencies[int(len(latencies) * 0.9)]
+    wake_row = Row(
+        db.vendor,
+        "idle worker: insert → claim",
+        len(latencies),
+        p50 / 1000,
+        0.0,
+        None,
+        f"p50 {p50:.1f} ms, p90 {p90:.1f} ms, max {latencies[-1]:.1f} ms"
+        + (" (LISTEN/NOTIFY; polling every 5 s)" if pg else " (polling every 1 s)"),
+    )
+    if pg:
+        wake_row.checks.append((f"p50 ≤ {TARGET_WAKE_P50_MS:.0f} ms", p50 <= TARGET_WAKE_P50_MS))
+    rows.append(wake_row)
+
     report = ""
     if opts.profile:
         say(f"[{db.vendor}] profiling WorkerProcess(burst=True) in-process, {opts.jobs} jobs")
@@ -474,8 +537,8 @@ def render(rows: list[Row], headers: list[str]) -> str:
                 r.db,
                 r.what,
                 f"{r.jobs:,}",
-                f"{r.seconds:.2f}",
-                f"{r.rate:,.0f}",
+                f"{r.seconds:.2f}" if r.rate else "",
+                f"{r.rate:,.0f}" if r.rate else "",
                 "" if r.ratio is None else f"{r.ratio:.2f}",
                 target,
                 r.note
