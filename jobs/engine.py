@@ -272,15 +272,18 @@ def _notify(lane: str) -> None:
 # --- claim and settle ------------------------------------------------------------------
 
 
-def job_log_context(job: Claimed, worker_id: str) -> dict[str, Any]:
-    return {
+def job_log_context(job: Claimed, worker_id: str | None = None) -> dict[str, Any]:
+    """The fields every log line about this attempt carries."""
+    context = {
         "job_id": job.id,
         "kind": job.kind,
         "lane": job.lane,
         "attempt": job.attempt,
         "lease_token": job.lease_token,
-        "worker_id": worker_id,
     }
+    if worker_id is not None:
+        context["worker_id"] = worker_id
+    return context
 
 
 def claim(worker_id: str, lanes: Sequence[str] | None = None) -> Claimed | None:
@@ -415,13 +418,7 @@ def _log_claimed(job: Claimed | None, worker_id: str) -> None:
 
 
 def _log_settled(job: Claimed, verdict: Verdict, settled: bool) -> bool:
-    identity = {
-        "job_id": job.id,
-        "kind": job.kind,
-        "lane": job.lane,
-        "attempt": job.attempt,
-        "lease_token": job.lease_token,
-    }
+    identity = job_log_context(job)
     if settled:
         log.info(verdict.event, **identity, **verdict.fields)
     else:

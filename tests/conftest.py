@@ -40,15 +40,17 @@ def database_url(settings_dict: dict) -> str:
     return f"postgres://{auth}@{host}:{port}/{settings_dict['NAME']}"
 
 
-@pytest.fixture
-def worker_env(tmp_path: Path, transactional_db: None) -> dict[str, str]:
-    """Environment for a subprocess (worker or command) using the test database."""
-    from django.db import connection
+def subprocess_env(database: str, tmp_path: Path) -> dict[str, str]:
+    """Environment for a subprocess (worker or command) using ``database`` (a URL).
 
+    Short poll and reclaim intervals keep the process tests fast; JSON logs let them read
+    the events a process wrote.
+    """
     env = dict(os.environ)
+    env.pop("TEST_DATABASE_URL", None)
     env.update(
         DJANGO_SETTINGS_MODULE="tests.settings",
-        DATABASE_URL=database_url(connection.settings_dict),
+        DATABASE_URL=database,
         HOLDFAST_VAR_DIR=str(tmp_path / "var"),
         LOG_FORMAT="json",
         LOG_LEVEL="INFO",
@@ -56,8 +58,15 @@ def worker_env(tmp_path: Path, transactional_db: None) -> dict[str, str]:
         HOLDFAST_RECLAIM_SECONDS="1",
         PYTHONUNBUFFERED="1",
     )
-    env.pop("TEST_DATABASE_URL", None)
     return env
+
+
+@pytest.fixture
+def worker_env(tmp_path: Path, transactional_db: None) -> dict[str, str]:
+    """Environment for a subprocess using the test database."""
+    from django.db import connection
+
+    return subprocess_env(database_url(connection.settings_dict), tmp_path)
 
 
 @pytest.fixture

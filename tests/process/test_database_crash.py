@@ -8,7 +8,6 @@ reads it with psycopg. It fails (never skips) when no cluster can be started.
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,6 +15,7 @@ from pathlib import Path
 import psycopg
 import pytest
 
+from tests.conftest import subprocess_env
 from tests.support.pgcluster import Cluster
 from tests.support.workers import WorkerPool, wait_until
 
@@ -32,19 +32,7 @@ def cluster(tmp_path: Path) -> Iterator[Cluster]:
 
 
 def cluster_env(cluster: Cluster, tmp_path: Path) -> dict[str, str]:
-    env = dict(os.environ)
-    env.pop("TEST_DATABASE_URL", None)
-    env.update(
-        DJANGO_SETTINGS_MODULE="tests.settings",
-        DATABASE_URL=cluster.url("holdfast"),
-        HOLDFAST_VAR_DIR=str(tmp_path / "var"),
-        LOG_FORMAT="json",
-        LOG_LEVEL="INFO",
-        HOLDFAST_POLL_SECONDS="0.2",
-        HOLDFAST_RECLAIM_SECONDS="1",
-        PYTHONUNBUFFERED="1",
-    )
-    return env
+    return subprocess_env(cluster.url("holdfast"), tmp_path)
 
 
 class Probe:
