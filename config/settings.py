@@ -71,6 +71,7 @@ INSTALLED_APPS = [
     "rest_framework",
     "jobs",
     "ingestion",
+    "ops",
     "demo",
 ]
 
@@ -148,5 +149,7 @@ if LOG_FORMAT not in (None, "json", "console"):
 REST_FRAMEWORK = {
     "DEFAULT_RENDERER_CLASSES": ["rest_framework.renderers.JSONRenderer"],
     "DEFAULT_PARSER_CLASSES": ["rest_framework.parsers.JSONParser"],
+    "DEFAULT_AUTHENTICATION_CLASSES": ["ops.authentication.BearerTokenAuthentication"],
+    "DEFAULT_PERMISSION_CLASSES": ["ops.authentication.TokenScope"],
     "UNAUTHENTICATED_USER": None,
 }

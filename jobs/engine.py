@@ -572,6 +572,72 @@ def requeue_dead(jobs: Sequence[Job], actor: str = "operator") -> list[int]:
     return requeued
 
 
+def cancel(job_id: int, actor: str = "operator") -> Job:
+    """Cancel a queued job at once, or ask a running one to stop at its next safe point.
+
+    A running job learns of the request at its worker's next lease renewal (at most every
+    5 s) through ``ctx.cancel_requested``; the job ends ``cancelled`` only if the handler
+    honours it. A finished job cannot be cancelled (StateConflict).
+    """
+    with transaction.atomic():
+        if Job.objects.filter(pk=job_id, state=State.QUEUED).update(
+            state=State.CANCELLED,
+            cancel_requested=True,
+            finished_at=Now(),
+            last_error=f"cancelled by {actor} before it ran",
+            updated_at=Now(),
+        ):
+            job = get_job(job_id)
+            log.info("job_cancelled", job_id=job_id, kind=job.kind, lane=job.lane, by=actor)
+            return job
+        if Job.objects.filter(pk=job_id, state=State.RUNNING).update(
+            cancel_requested=True, updated_at=Now()
+        ):
+            job = get_job(job_id)
+            log.info(
+                "job_cancel_requested",
+                job_id=job_id,
+                kind=job.kind,
+                lane=job.lane,
+                lease_token=job.lease_token,
+                worker_id=job.leased_by,
+                by=actor,
+            )
+            return job
+        job = get_job(job_id)  # raises JobNotFound for an unknown id
+        raise StateConflict(f"job {job_id} is {job.state}: it has finished, nothing to cancel")
+
+
+def prune(older_than: timedelta, include_dead: bool = False, batch: int = 5000) -> int:
+    """Delete finished jobs (and their attempts) that finished more than ``older_than`` ago.
+
+    Succeeded and cancelled jobs only, unless ``include_dead``: dead jobs are evidence an
+    operator may still need. Queued and running jobs are never pruned. Deletes in batches
+    so that no single transaction holds the table for long; returns how many went.
+    """
+    states = [State.SUCCEEDED, State.CANCELLED] + ([State.DEAD] if include_dead else [])
+    cutoff = Now() - older_than
+    deleted = 0
+    while True:
+        with transaction.atomic():
+            ids = list(
+                Job.objects.filter(state__in=states, finished_at__lt=cutoff)
+                .order_by("finished_at")
+                .values_list("pk", flat=True)[:batch]
+            )
+            if not ids:
+                break
+            Job.objects.filter(pk__in=ids, state__in=states).delete()
+            deleted += len(ids)
+    log.info(
+        "jobs_pruned",
+        count=deleted,
+        older_than_s=older_than.total_seconds(),
+        include_dead=include_dead,
+    )
+    return deleted
+
+
 def requeue_one(job_id: int, actor: str = "operator") -> Job:
     job = get_job(job_id)
     if not requeue_dead([job], actor=actor):

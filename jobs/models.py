@@ -104,7 +104,9 @@ class Job(models.Model):
 class Lease(models.Model):
     """One claim of a job: the record of that attempt, kept after it ends."""
 
-    job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="leases")
+    # The database deletes a job's attempts with it: pruning is one DELETE, not a Python
+    # loop over every attempt row.
+    job = models.ForeignKey(Job, on_delete=models.DB_CASCADE, related_name="leases")
     attempt = models.PositiveIntegerField()
     lease_token = models.BigIntegerField()
     worker_id = models.CharField(max_length=200)

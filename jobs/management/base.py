@@ -7,6 +7,8 @@ usage errors and bad input, always with a one-line reason on stderr and no trace
 from __future__ import annotations
 
 import json
+import re
+from datetime import timedelta
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
@@ -21,7 +23,8 @@ from jobs.exceptions import (
     UnknownKind,
 )
 
-BAD_INPUT = (InvalidJob, JobNotFound, LaneRefused, UnknownKind, ValueError)
+# LookupError covers every "no such id" error (jobs, issues, tokens).
+BAD_INPUT = (InvalidJob, JobNotFound, LaneRefused, UnknownKind, ValueError, LookupError)
 FAILED = (StateConflict, LaneFull)
 
 
@@ -56,3 +59,14 @@ class JobsCommand(BaseCommand):
 
     def emit_json(self, data: Any) -> None:
         self.stdout.write(json.dumps(data, indent=2, default=str))
+
+
+DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+
+
+def parse_duration(text: str) -> timedelta:
+    """``14d``, ``12h``, ``30m``, ``90s`` or ``2w`` as a timedelta; bad input otherwise."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhdw])\s*", text)
+    if match is None:
+        raise bad_input(f"not a duration: {text!r} (use e.g. 14d, 12h, 30m, 90s, 2w)")
+    return timedelta(seconds=float(match[1]) * DURATION_UNITS[match[2]])

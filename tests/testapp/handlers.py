@@ -101,3 +101,20 @@ def nul_result(ctx: JobContext) -> dict[str, str]:
 def nul_error(ctx: JobContext) -> None:
     """Fails with a message holding raw bytes, as a parser quoting its input might."""
     raise ValueError("unparseable header: \x00\x01")
+
+
+@handler("test.cancellable", backoff=0)
+def cancellable(ctx: JobContext, *, seconds: float = 30.0, marker: str = "") -> str:
+    """Works in small steps, committing progress, until done or asked to cancel."""
+    if marker:
+        with open(marker, "w") as handle:
+            handle.write(str(os.getpid()))
+    deadline = time.monotonic() + seconds
+    step = 0
+    while time.monotonic() < deadline:
+        if ctx.cancel_requested:
+            raise ctx.Cancelled()
+        step += 1
+        ctx.progress(step, None, "working")
+        time.sleep(0.1)
+    return "finished"

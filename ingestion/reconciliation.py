@@ -1,0 +1,87 @@
+"""Reconciliation issues: recording what does not add up, listing and resolving it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.db import transaction
+from django.db.models import QuerySet
+from django.db.models.functions import Now
+
+from jobs.exceptions import HoldfastError, InvalidJob, StateConflict
+from jobs.log import get_logger
+from jobs.serialization import timestamp
+
+from .models import IssueKind, IssueStatus, ReconciliationIssue
+
+log = get_logger("ingestion.reconciliation")
+
+
+class IssueNotFound(HoldfastError, LookupError):
+    """No reconciliation issue has this id."""
+
+
+def record(
+    kind: str, subject: str, source: str = "", details: dict[str, Any] | None = None
+) -> ReconciliationIssue:
+    """Open an issue (inside the caller's transaction, like the event it describes)."""
+    if kind not in IssueKind.values:
+        raise InvalidJob(f"unknown reconciliation issue kind {kind!r}")
+    issue = ReconciliationIssue.objects.create(
+        kind=kind, subject=subject, source=source, details=details or {}
+    )
+    log.warning(
+        "reconciliation_issue_opened", issue_id=issue.pk, kind=kind, source=source, subject=subject
+    )
+    return issue
+
+
+def issues(
+    status: str | None = None, kind: str | None = None, source: str | None = None
+) -> QuerySet[ReconciliationIssue]:
+    """Issues matching the filters, newest first. Unknown filter values are bad input."""
+    if status is not None and status not in IssueStatus.values:
+        raise InvalidJob(f"status must be one of {', '.join(IssueStatus.values)}, not {status!r}")
+    if kind is not None and kind not in IssueKind.values:
+        raise InvalidJob(f"kind must be one of {', '.join(IssueKind.values)}, not {kind!r}")
+    found = ReconciliationIssue.objects.order_by("-created_at", "-pk")
+    if status:
+        found = found.filter(status=status)
+    if kind:
+        found = found.filter(kind=kind)
+    if source:
+        found = found.filter(source=source)
+    return found
+
+
+def resolve(issue_id: int, by: str, comment: str = "") -> ReconciliationIssue:
+    """Mark an open issue resolved, saying who and why; resolving twice is a conflict."""
+    with transaction.atomic():
+        matched = ReconciliationIssue.objects.filter(pk=issue_id, status=IssueStatus.OPEN).update(
+            status=IssueStatus.RESOLVED, resolved_at=Now(), resolved_by=by, comment=comment
+        )
+        try:
+            issue = ReconciliationIssue.objects.get(pk=issue_id)
+        except ReconciliationIssue.DoesNotExist:
+            raise IssueNotFound(f"no reconciliation issue with id {issue_id}") from None
+        if not matched:
+            raise StateConflict(
+                f"issue {issue_id} was already resolved by {issue.resolved_by or 'someone'}"
+            )
+    log.info("reconciliation_issue_resolved", issue_id=issue_id, kind=issue.kind, by=by)
+    return issue
+
+
+def issue_dict(issue: ReconciliationIssue) -> dict[str, Any]:
+    return {
+        "id": issue.pk,
+        "kind": issue.kind,
+        "source": issue.source,
+        "subject": issue.subject,
+        "details": issue.details,
+        "status": issue.status,
+        "created_at": timestamp(issue.created_at),
+        "resolved_at": timestamp(issue.resolved_at),
+        "resolved_by": issue.resolved_by or None,
+        "comment": issue.comment or None,
+    }
