@@ -69,6 +69,7 @@ INSTALLED_APPS = [
     "django.contrib.contenttypes",
     "django.contrib.auth",
     "rest_framework",
+    "drf_spectacular",
     "jobs",
     "ingestion",
     "ops",
@@ -140,16 +141,37 @@ HOLDFAST_RECLAIM_SECONDS = env_number("HOLDFAST_RECLAIM_SECONDS", 5)
 HOLDFAST_SPOOL_DIR = Path(os.environ.get("HOLDFAST_SPOOL_DIR", VAR_DIR / "spool"))
 HOLDFAST_BLOB_DIR = Path(os.environ.get("HOLDFAST_BLOB_DIR", VAR_DIR / "blobs"))
 HOLDFAST_LANES: dict[str, dict] = {"default": {}}
+# Recurring jobs declared in settings (DESIGN §6); handlers may also declare schedule=.
+HOLDFAST_SCHEDULES: dict[str, dict] = {}
+# How often the built-in refresh job asks each registered refresher for due refreshes.
+HOLDFAST_REFRESH_SECONDS = env_number("HOLDFAST_REFRESH_SECONDS", 300)
+# Django's Tasks framework runs on Holdfast (docs/django-tasks.md): `@task` functions are
+# enqueued as `django.task` jobs and run by `manage.py runworker`, with leases and retries.
+# (Django's own default, the ImmediateBackend, would run them inline in the caller.)
+TASKS = {"default": {"BACKEND": "jobs.tasks_backend.HoldfastBackend"}}
 
 LOG_FORMAT = os.environ.get("LOG_FORMAT", "").strip().lower() or None
 LOG_LEVEL = os.environ.get("LOG_LEVEL", "INFO").strip().upper() or "INFO"
 if LOG_FORMAT not in (None, "json", "console"):
     raise ImproperlyConfigured(f"LOG_FORMAT must be 'json' or 'console', got {LOG_FORMAT!r}")
 
+# The internal API (ops/, docs/api.md): JSON only, bearer tokens only (no session or basic
+# auth, so no CSRF exposure), errors as {"error", "code"} JSON (ops/exceptions.py).
 REST_FRAMEWORK = {
     "DEFAULT_RENDERER_CLASSES": ["rest_framework.renderers.JSONRenderer"],
     "DEFAULT_PARSER_CLASSES": ["rest_framework.parsers.JSONParser"],
     "DEFAULT_AUTHENTICATION_CLASSES": ["ops.authentication.BearerTokenAuthentication"],
     "DEFAULT_PERMISSION_CLASSES": ["ops.authentication.TokenScope"],
     "UNAUTHENTICATED_USER": None,
+    "EXCEPTION_HANDLER": "ops.exceptions.exception_handler",
+    "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
+    "URL_FORMAT_OVERRIDE": None,  # no ?format=: JSON is the only format
+}
+SPECTACULAR_SETTINGS = {
+    "TITLE": "Holdfast internal API",
+    "DESCRIPTION": "Operator API of the Holdfast job system; see docs/api.md.",
+    "VERSION": "1",
+    "SCHEMA_PATH_PREFIX": "/internal/v1",
+    "SERVE_INCLUDE_SCHEMA": False,
+    "COMPONENT_SPLIT_REQUEST": True,
 }

@@ -1,5 +1,13 @@
-"""URL configuration. The internal operator API is mounted under /internal/v1/."""
+"""URL configuration. The internal operator API is mounted under /internal/v1/.
 
-from django.urls import URLPattern, URLResolver
+Every URL answers JSON, also where no view matches (404) and on an unexpected error (500).
+"""
 
-urlpatterns: list[URLPattern | URLResolver] = []
+from django.urls import URLPattern, URLResolver, include, path
+
+urlpatterns: list[URLPattern | URLResolver] = [
+    path("internal/v1/", include("ops.urls")),
+]
+
+handler404 = "ops.exceptions.not_found"
+handler500 = "ops.exceptions.server_error"

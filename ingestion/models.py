@@ -37,3 +37,59 @@ class ReconciliationIssue(models.Model):
 
     def __str__(self) -> str:
         return f"{self.kind} issue {self.pk} ({self.status}): {self.subject}"
+
+
+class Lab(models.Model):
+    """A producer of spool submissions, named in each submission's ``lab`` field."""
+
+    name = models.CharField(max_length=200, unique=True)
+    created_at = models.DateTimeField(db_default=Now())
+
+    class Meta:
+        db_table = "labs"
+
+    def __str__(self) -> str:
+        return self.name
+
+
+class Fact(models.Model):
+    """One fact a lab reported about an entity; the newest ``submitted_at`` wins."""
+
+    lab = models.ForeignKey(Lab, on_delete=models.PROTECT, related_name="facts")
+    entity = models.CharField(max_length=200)
+    key = models.CharField(max_length=500)
+    attributes = models.JSONField(default=dict)
+    submitted_at = models.DateTimeField()
+
+    class Meta:
+        db_table = "facts"
+        constraints = [
+            models.UniqueConstraint(fields=["lab", "entity", "key"], name="fact_identity")
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.lab_id}:{self.entity}:{self.key}"
+
+
+class IngestedSubmission(models.Model):
+    """The ack row of an applied spool submission (DESIGN §10), keyed by its bytes' sha256.
+
+    It commits in the same transaction as the submission's facts: a row here means the
+    submission was applied, and only then may its file be deleted (I6).
+    """
+
+    hash = models.CharField(max_length=64, primary_key=True)
+    file_name = models.TextField()
+    lab = models.ForeignKey(Lab, on_delete=models.PROTECT, related_name="submissions")
+    submitted_at = models.DateTimeField()
+    applied_at = models.DateTimeField(db_default=Now())
+    fact_count = models.PositiveIntegerField(default=0)
+    log_excerpt = models.CharField(
+        max_length=64, blank=True, default="", help_text="sha256 of the excerpt in the blob store"
+    )
+
+    class Meta:
+        db_table = "ingested_submissions"
+
+    def __str__(self) -> str:
+        return f"submission {self.hash[:12]} ({self.file_name})"

@@ -7,6 +7,7 @@ class JobsConfig(AppConfig):
     default_auto_field = "django.db.models.BigAutoField"
 
     def ready(self) -> None:
-        from . import log
+        from . import checks, defaults, log  # noqa: F401  (checks registers on import)
 
+        defaults.apply()
         log.configure()

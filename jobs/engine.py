@@ -68,6 +68,7 @@ def enqueue(
     run_at: datetime | None = None,
     unique_key: str | None = None,
     max_attempts: int | None = None,
+    lease_seconds: float | None = None,
 ) -> Job | None:
     """Enqueue one job inside the caller's transaction: it exists iff the caller commits.
 
@@ -84,6 +85,7 @@ def enqueue(
         run_at=run_at,
         unique_key=unique_key,
         max_attempts=max_attempts,
+        lease_seconds=lease_seconds,
     )
     return jobs[0] if jobs else None
 
@@ -98,6 +100,7 @@ def enqueue_many(
     run_at: datetime | None = None,
     unique_key: str | None = None,
     max_attempts: int | None = None,
+    lease_seconds: float | None = None,
 ) -> list[Job]:
     """Enqueue one job per args dict with the same options; returns the jobs in order."""
     spec = get_handler(kind)
@@ -109,6 +112,7 @@ def enqueue_many(
     if not args_list:
         return []
     attempts_budget = _validated_max_attempts(max_attempts, spec)
+    lease = _validated_lease_seconds(lease_seconds, spec)
     _validated_priority(priority)
     when = _run_at_expression(delay, run_at)
     if chosen.max_queued is not None:
@@ -124,7 +128,7 @@ def enqueue_many(
         lane=chosen.name,
         priority=priority,
         max_attempts=attempts_budget,
-        lease_seconds=_lease_seconds(spec),
+        lease_seconds=lease,
     )
     with transaction.atomic():
         if unique_key is not None or spec.unique:
@@ -228,6 +232,18 @@ def _validated_max_attempts(max_attempts: int | None, spec: HandlerSpec) -> int:
     if not isinstance(max_attempts, int) or max_attempts < 1:
         raise InvalidJob(f"max_attempts must be a positive integer, not {max_attempts!r}")
     return max_attempts
+
+
+def _validated_lease_seconds(lease_seconds: float | None, spec: HandlerSpec) -> float:
+    if lease_seconds is None:
+        return _lease_seconds(spec)
+    if (
+        isinstance(lease_seconds, bool)
+        or not isinstance(lease_seconds, int | float)
+        or not 0 < lease_seconds < float("inf")
+    ):
+        raise InvalidJob(f"lease_seconds must be a positive number, not {lease_seconds!r}")
+    return float(lease_seconds)
 
 
 def _validated_priority(priority: int) -> None:

@@ -142,3 +142,46 @@ class Worker(models.Model):
 
     def __str__(self) -> str:
         return f"worker {self.id}"
+
+
+class CatchUp(models.TextChoices):
+    ONCE = "once"  # missed slots collapse into one run
+    SKIP = "skip"  # missed slots are skipped; the schedule waits for the next one
+
+
+class Schedule(models.Model):
+    """A recurring job and its slot ledger.
+
+    ``next_due_at`` is the next slot; advancing it and enqueueing the slot's job happen in
+    one transaction guarded by the value read (I5). The row outlives job pruning, so a
+    slot can never look unrun because its job was deleted.
+    """
+
+    name = models.CharField(max_length=200, unique=True)
+    kind = models.CharField(max_length=200)
+    args = models.JSONField(default=dict, blank=True)
+    lane = models.CharField(max_length=100, null=True, blank=True)  # noqa: DJ001
+    cron = models.CharField(max_length=200, blank=True, default="")
+    every = models.FloatField(null=True, blank=True)  # seconds, when not a cron schedule
+    timezone = models.CharField(max_length=64, default="UTC")
+    catch_up = models.CharField(max_length=4, choices=CatchUp.choices, default=CatchUp.ONCE)
+    origin = models.CharField(max_length=20, default="settings")  # "settings" or "handler"
+    declared = models.BooleanField(default=True)  # still in code or settings
+    paused = models.BooleanField(default=False)  # an operator paused it
+    next_due_at = models.DateTimeField()
+    last_slot_at = models.DateTimeField(null=True, blank=True)
+    last_job_id = models.BigIntegerField(null=True, blank=True)
+    created_at = models.DateTimeField(db_default=Now())
+    updated_at = models.DateTimeField(db_default=Now())
+
+    class Meta:
+        indexes = [
+            models.Index(
+                fields=["next_due_at"],
+                name="schedule_due_idx",
+                condition=Q(declared=True, paused=False),
+            )
+        ]
+
+    def __str__(self) -> str:
+        return f"schedule {self.name} ({self.cron or f'every {self.every:g}s'})"

@@ -111,3 +111,8 @@ def get_handler(kind: str) -> HandlerSpec:
 def registered_kinds() -> list[str]:
     autodiscover()
     return sorted(_handlers)
+
+
+def all_handlers() -> list[HandlerSpec]:
+    autodiscover()
+    return [_handlers[kind] for kind in sorted(_handlers)]

@@ -7,7 +7,7 @@ from typing import Any
 from django.conf import settings
 from django.db.models import Count, Min, Q
 
-from . import engine
+from . import engine, scheduler
 from .models import Job, State, Worker
 from .serialization import timestamp
 
@@ -66,6 +66,6 @@ def queue_status() -> dict[str, Any]:
         "lanes": dict(sorted(lanes.items())),
         "live_leases": leases,
         "workers": workers,
-        "schedules_overdue": [],
+        "schedules_overdue": scheduler.overdue(now),
         "delayed": Job.objects.filter(Q(state=State.QUEUED) & Q(run_at__gt=now)).count(),
     }

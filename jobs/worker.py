@@ -43,6 +43,7 @@ from .exceptions import Cancelled, LeaseLost, PermanentError, UnknownKind
 from .log import bound_context, get_logger
 from .notify import PollWaker, waker_for_database
 from .registry import HandlerSpec, autodiscover, get_handler
+from .scheduler import SchedulerLoop
 from .sql import Claimed
 
 log = get_logger("jobs.worker")
@@ -64,10 +65,12 @@ class WorkerProcess:
         burst: bool = False,
         poll_seconds: float | None = None,
         grace_seconds: float | None = None,
+        with_scheduler: bool = False,
     ) -> None:
         self.worker_id = worker_id or engine.default_worker_id()
         self.lanes = list(lanes) if lanes else None
         self.burst = burst
+        self.with_scheduler = with_scheduler
         self.poll_seconds = float(
             settings.HOLDFAST_POLL_SECONDS if poll_seconds is None else poll_seconds
         )
@@ -89,6 +92,10 @@ class WorkerProcess:
         structlog.contextvars.bind_contextvars(worker_id=self.worker_id)
         self._waker = waker_for_database()
         keeper = threading.Thread(target=self._keep_leases, name="lease-keeper", daemon=True)
+        # For small installs: the scheduler's loop in a thread of its own (own connection).
+        schedules = threading.Thread(
+            target=SchedulerLoop(self._keeper_stop).run, name="scheduler", daemon=True
+        )
         try:
             # A signal while the database is still unreachable stops the worker: it holds
             # nothing yet, so there is nothing to hand back.
@@ -98,12 +105,15 @@ class WorkerProcess:
                     give_up=lambda: self.stopping,
                 )
                 keeper.start()
+                if self.with_scheduler:
+                    schedules.start()
                 self._loop()
         finally:
             self._keeper_stop.set()
             self._waker.close()
-            if keeper.is_alive():
-                keeper.join(timeout=10)
+            for thread in (keeper, schedules):
+                if thread.is_alive():
+                    thread.join(timeout=10)
             self._quietly(lambda: engine.worker_stopped(self.worker_id))
             log.info("worker_exiting", processed=self.processed)
             for signum, handler in previous.items():

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rest_framework import exceptions, permissions
 from rest_framework.authentication import BaseAuthentication, get_authorization_header
 from rest_framework.request import Request
-from rest_framework.views import APIView
 
 from . import tokens
+
+if TYPE_CHECKING:
+    # Not at run time: DRF imports this module while rest_framework.views is still being
+    # imported (its DEFAULT_AUTHENTICATION_CLASSES), and importing it back is circular.
+    from rest_framework.views import APIView
 
 
 class BearerTokenAuthentication(BaseAuthentication):

@@ -11,6 +11,7 @@ import re
 from datetime import timedelta
 from typing import Any
 
+from django.core.exceptions import ImproperlyConfigured
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db import DatabaseError
 
@@ -23,8 +24,17 @@ from jobs.exceptions import (
     UnknownKind,
 )
 
-# LookupError covers every "no such id" error (jobs, issues, tokens).
-BAD_INPUT = (InvalidJob, JobNotFound, LaneRefused, UnknownKind, ValueError, LookupError)
+# LookupError covers every "no such id" error (jobs, issues, tokens); ImproperlyConfigured
+# is a settings mistake the operator must fix (the one-line reason names it).
+BAD_INPUT = (
+    InvalidJob,
+    JobNotFound,
+    LaneRefused,
+    UnknownKind,
+    ValueError,
+    LookupError,
+    ImproperlyConfigured,
+)
 FAILED = (StateConflict, LaneFull)
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -111,6 +112,7 @@ class WorkerProc:
                 stdin=subprocess.DEVNULL,
                 stdout=out,
                 stderr=err,
+                start_new_session=True,  # its own process group: close() reaps its children
             )
         self.stopped = False  # SIGSTOPped by us and not yet continued
 
@@ -336,11 +338,15 @@ class WorkerPool:
         return "\n".join(proc.describe() for proc in self.procs) or "(no processes)"
 
     def close(self) -> None:
-        """Kill (SIGCONT, then SIGKILL) and reap every process still running."""
+        """Kill (SIGCONT, then SIGKILL) and reap every process still running, and any
+        child it left behind (the spool ingester's readers and writer), so that nothing
+        keeps a database session open past the test."""
         for proc in self.procs:
             if proc.alive:
                 with contextlib.suppress(AssertionError, OSError):
                     proc.kill()
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)
 
     def __enter__(self) -> WorkerPool:
         return self

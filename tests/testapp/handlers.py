@@ -2,12 +2,17 @@
 
 import os
 import time
+from datetime import timedelta
 from typing import Any
 
-from jobs import PermanentError, handler
-from jobs.context import JobContext
+from django.db.models import F
+from django.utils import timezone
 
-from .models import Effect
+from jobs import PermanentError, enqueue, handler
+from jobs.context import JobContext
+from jobs.refresh import refresher
+
+from .models import Document, Effect
 
 
 def _effect(ctx: JobContext, label: str) -> None:
@@ -118,3 +123,22 @@ def cancellable(ctx: JobContext, *, seconds: float = 30.0, marker: str = "") -> 
         ctx.progress(step, None, "working")
         time.sleep(0.1)
     return "finished"
+
+
+@refresher("test.documents", batch=100)
+def due_documents(limit: int) -> int:
+    """Enqueue a refresh for at most ``limit`` documents whose TTL has passed."""
+    due = Document.objects.filter(refresh_after__lte=timezone.now()).order_by("refresh_after")
+    jobs = [
+        enqueue("test.refresh_document", {"document_id": pk}, unique_key=f"refresh-doc:{pk}")
+        for pk in due.values_list("pk", flat=True)[:limit]
+    ]
+    return len(jobs)
+
+
+@handler("test.refresh_document", backoff=0)
+def refresh_document(ctx: JobContext, *, document_id: int) -> None:
+    with ctx.atomic(complete=True):
+        Document.objects.filter(pk=document_id).update(
+            refresh_after=timezone.now() + timedelta(days=28), refreshed=F("refreshed") + 1
+        )

@@ -12,3 +12,14 @@ class Effect(models.Model):
 
     def __str__(self) -> str:
         return f"{self.label} effect of job {self.job_id} (token {self.lease_token})"
+
+
+class Document(models.Model):
+    """A row with a refresh TTL, like an artifact: the refresher hook's test subject."""
+
+    url = models.CharField(max_length=200, unique=True)
+    refresh_after = models.DateTimeField()
+    refreshed = models.PositiveIntegerField(default=0)
+
+    def __str__(self) -> str:
+        return self.url

@@ -16,6 +16,11 @@ class Command(JobsCommand):
             "--burst", action="store_true", help="exit 0 once no runnable job remains"
         )
         parser.add_argument("--worker-id", help="identity in leases and logs (default host:pid)")
+        parser.add_argument(
+            "--with-scheduler",
+            action="store_true",
+            help="also run the scheduler in this process (small installs)",
+        )
 
     def handle(self, *args: Any, **options: Any) -> None:
         lanes = None
@@ -31,4 +36,9 @@ class Command(JobsCommand):
         worker_id = options["worker_id"]
         if worker_id is not None and not worker_id.strip():
             raise bad_input("--worker-id must not be empty")
-        WorkerProcess(worker_id=worker_id, lanes=lanes, burst=options["burst"]).run()
+        WorkerProcess(
+            worker_id=worker_id,
+            lanes=lanes,
+            burst=options["burst"],
+            with_scheduler=options["with_scheduler"],
+        ).run()

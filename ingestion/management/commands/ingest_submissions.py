@@ -1,0 +1,60 @@
+from typing import Any
+
+from django.core.management.base import CommandParser
+
+from ingestion import ingester
+from ingestion.spool import Spool, Stuck
+from jobs.management.base import JobsCommand, bad_input, failed
+
+
+class Command(JobsCommand):
+    help = (
+        "The spool ingester: apply every valid submission in incoming/ exactly once, move "
+        "invalid ones to failed/ with a reason. Without --once it watches the spool."
+    )
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        super().add_arguments(parser)
+        parser.add_argument("--spool", help="spool root (default: HOLDFAST_SPOOL_DIR)")
+        parser.add_argument(
+            "--workers",
+            type=int,
+            default=2,
+            help="reader processes feeding the one writer process (default 2)",
+        )
+        parser.add_argument("--once", action="store_true", help="exit 0 once incoming/ is empty")
+        parser.add_argument(
+            "--stuck-after",
+            type=float,
+            default=60.0,
+            help="exit 1 when work is pending and nothing was applied or quarantined for "
+            "this many seconds (default 60)",
+        )
+
+    def handle(self, *args: Any, **options: Any) -> None:
+        if options["workers"] < 1:
+            raise bad_input("--workers must be at least 1")
+        if options["stuck_after"] <= 0:
+            raise bad_input("--stuck-after must be positive")
+        spool = Spool.from_settings(options["spool"])
+        try:
+            result = ingester.run(
+                spool,
+                ingester.Options(
+                    workers=options["workers"],
+                    once=options["once"],
+                    stuck_after=options["stuck_after"],
+                ),
+            )
+        except Stuck as exc:
+            raise failed(str(exc)) from None
+        except RuntimeError as exc:
+            raise failed(str(exc)) from None
+        if options["as_json"]:
+            self.emit_json(result)
+            return
+        self.stdout.write(
+            f"{result['applied']} applied, {result['duplicates']} already applied, "
+            f"{result['quarantined']} quarantined, {result['pending']} pending "
+            f"({result['files_per_s']} files/s)"
+        )

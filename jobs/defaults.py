@@ -1,0 +1,31 @@
+"""Default values of the engine's settings, for projects that do not set them.
+
+``jobs`` is a reusable app: a project adds it to ``INSTALLED_APPS`` (and, for Django's
+Tasks API, the ``TASKS`` backend) without copying Holdfast's settings module. Holdfast's
+own ``config/settings.py`` reads each of these from the environment (DESIGN §7).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.conf import settings
+
+DEFAULTS: dict[str, Any] = {
+    "HOLDFAST_LEASE_SECONDS": 60,
+    "HOLDFAST_SHUTDOWN_GRACE_SECONDS": 25,
+    "HOLDFAST_POLL_SECONDS": 1,
+    "HOLDFAST_RECLAIM_SECONDS": 5,
+    "HOLDFAST_REFRESH_SECONDS": 300,
+    "HOLDFAST_LANES": {"default": {}},
+    "HOLDFAST_SCHEDULES": {},
+    "LOG_FORMAT": None,  # json, or console on a TTY
+    "LOG_LEVEL": "INFO",
+}
+
+
+def apply() -> None:
+    """Give every engine setting the project did not set its default."""
+    for name, value in DEFAULTS.items():
+        if not hasattr(settings, name):
+            setattr(settings, name, value)

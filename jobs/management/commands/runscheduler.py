@@ -1,0 +1,36 @@
+import signal
+import threading
+from types import FrameType
+from typing import Any
+
+from django.core.management.base import CommandParser
+
+from jobs import scheduler
+from jobs.log import get_logger
+from jobs.management.base import JobsCommand
+
+log = get_logger("jobs.scheduler")
+
+
+class Command(JobsCommand):
+    help = "Enqueue due recurring jobs and refreshes, and reclaim expired leases."
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        parser.add_argument("--once", action="store_true", help="one pass, then exit 0")
+
+    def handle(self, *args: Any, **options: Any) -> None:
+        if options["once"]:
+            scheduler.sync()
+            scheduler.SchedulerLoop().run_once()
+            return
+        stop = threading.Event()
+
+        def on_signal(signum: int, frame: FrameType | None) -> None:
+            log.info("scheduler_stopping", signal=signal.Signals(signum).name)
+            stop.set()
+
+        signal.signal(signal.SIGTERM, on_signal)
+        signal.signal(signal.SIGINT, on_signal)
+        log.info("scheduler_started")
+        scheduler.SchedulerLoop(stop).run()
+        log.info("scheduler_stopped")

@@ -1,0 +1,244 @@
+"""The scheduler: turns due schedule slots into jobs, exactly once per slot (I5).
+
+Each tick locks every due schedule row in its own transaction (``SKIP LOCKED`` on
+PostgreSQL, so concurrent schedulers split the work instead of queueing behind each
+other), advances ``next_due_at`` past the slot with an UPDATE guarded by the value it
+read, and enqueues that slot's job in the same transaction. Whatever the restarts or the
+number of schedulers, a slot is advanced once, and its job exists iff the advance
+committed. Time is the database clock.
+"""
+
+from __future__ import annotations
+
+import threading
+from datetime import datetime, timedelta
+from typing import Any
+
+from django.db import IntegrityError, InterfaceError, OperationalError, connection, transaction
+from django.db.models import F
+from django.db.models.functions import Now
+
+from . import engine
+from .exceptions import HoldfastError
+from .log import get_logger
+from .models import CatchUp, Job, Schedule
+from .schedules import catch_up, declared, next_slot
+
+log = get_logger("jobs.scheduler")
+
+SKIP_GRACE = timedelta(minutes=5)  # with catch_up=skip, a slot later than this is missed
+OVERDUE_AFTER = timedelta(minutes=1)  # queue_status flags schedules this far behind
+MAX_SLEEP = 5.0  # seconds: wake at least this often (reclaim, clock jumps, new schedules)
+
+
+class ScheduleNotFound(HoldfastError, LookupError):
+    """No schedule has this name."""
+
+
+def sync(now: datetime | None = None) -> None:
+    """Make the schedule rows match the declarations, at start-up.
+
+    New schedules wait for their next slot (no immediate run); a changed timing is
+    recomputed from now; schedules no longer declared are marked so (kept, with their
+    history, never deleted silently).
+    """
+    now = now or engine.db_now()
+    wanted = declared()
+    with transaction.atomic():
+        rows = {row.name: row for row in Schedule.objects.select_for_update()}
+        for name, declaration in wanted.items():
+            definition = declaration.definition()
+            row = rows.get(name)
+            if row is None:
+                _add(name, definition, now)
+                continue
+            timing = ("cron", "every", "timezone")
+            retimed = any(getattr(row, key) != definition[key] for key in timing)
+            changed = any(getattr(row, key) != value for key, value in definition.items())
+            if not (changed or not row.declared):
+                continue
+            for key, value in definition.items():
+                setattr(row, key, value)
+            if retimed or not row.declared:
+                row.next_due_at = next_slot(row.cron, row.every, row.timezone, now)
+            row.declared = True
+            row.save()
+            log.info("schedule_updated", schedule=name, next_due_at=row.next_due_at.isoformat())
+        for name, row in rows.items():
+            if name not in wanted and row.declared:
+                Schedule.objects.filter(pk=row.pk).update(declared=False, updated_at=Now())
+                log.warning("schedule_undeclared", schedule=name)
+
+
+def _add(name: str, definition: dict[str, Any], now: datetime) -> None:
+    due = next_slot(definition["cron"], definition["every"], definition["timezone"], now)
+    try:
+        with transaction.atomic():
+            Schedule.objects.create(name=name, next_due_at=due, **definition)
+    except IntegrityError:
+        return  # another scheduler added it at the same moment
+    log.info("schedule_added", schedule=name, next_due_at=due.isoformat())
+
+
+def tick(now: datetime | None = None) -> list[int]:
+    """Enqueue the job of every due slot; returns the ids of the jobs enqueued."""
+    now = now or engine.db_now()
+    due = Schedule.objects.filter(declared=True, paused=False, next_due_at__lte=now)
+    enqueued = []
+    for pk in due.values_list("pk", flat=True):
+        job_id = _advance(pk, now)
+        if job_id is not None:
+            enqueued.append(job_id)
+    return enqueued
+
+
+def _advance(pk: int, now: datetime) -> int | None:
+    with transaction.atomic():
+        row = (
+            Schedule.objects.select_for_update(skip_locked=True)
+            .filter(pk=pk, declared=True, paused=False, next_due_at__lte=now)
+            .first()
+        )
+        if row is None:
+            return None  # another scheduler holds it, or already advanced it
+        latest, following = catch_up(row.cron, row.every, row.timezone, row.next_due_at, now)
+        run = latest if row.catch_up == CatchUp.ONCE or now - latest <= SKIP_GRACE else None
+        advanced = Schedule.objects.filter(pk=pk, next_due_at=row.next_due_at).update(
+            next_due_at=following,
+            last_slot_at=run if run is not None else F("last_slot_at"),
+            updated_at=Now(),
+        )
+        if not advanced:
+            return None
+        if run is None:
+            log.info(
+                "schedule_slot_skipped",
+                schedule=row.name,
+                slot=latest.isoformat(),
+                next_due_at=following.isoformat(),
+            )
+            return None
+        job = _enqueue_slot(row, f"schedule:{row.name}:{run.isoformat()}")
+        if job is not None:
+            Schedule.objects.filter(pk=pk).update(last_job_id=job.pk)
+            log.info(
+                "schedule_enqueued",
+                schedule=row.name,
+                slot=run.isoformat(),
+                job_id=job.pk,
+                next_due_at=following.isoformat(),
+                missed=latest != row.next_due_at,
+            )
+        return job.pk if job is not None else None
+
+
+def _enqueue_slot(row: Schedule, unique_key: str) -> Job | None:
+    """Enqueue a schedule's job; a refusal is logged and the schedule still advances."""
+    try:
+        with transaction.atomic():
+            return engine.enqueue(row.kind, row.args, lane=row.lane, unique_key=unique_key)
+    except HoldfastError as exc:
+        log.error("schedule_enqueue_failed", schedule=row.name, kind=row.kind, error=str(exc))
+        return None
+
+
+def get(name: str) -> Schedule:
+    try:
+        return Schedule.objects.get(name=name)
+    except Schedule.DoesNotExist:
+        raise ScheduleNotFound(f"no schedule named {name!r}") from None
+
+
+def pause(name: str, actor: str = "operator") -> Schedule:
+    get(name)
+    Schedule.objects.filter(name=name).update(paused=True, updated_at=Now())
+    log.info("schedule_paused", schedule=name, by=actor)
+    return get(name)
+
+
+def resume(name: str, actor: str = "operator") -> Schedule:
+    """Resume a paused schedule from its next slot: slots missed while paused do not run."""
+    row = get(name)
+    if row.paused:
+        due = next_slot(row.cron, row.every, row.timezone, engine.db_now())
+        Schedule.objects.filter(name=name).update(paused=False, next_due_at=due, updated_at=Now())
+        log.info("schedule_resumed", schedule=name, by=actor, next_due_at=due.isoformat())
+    return get(name)
+
+
+def run_now(name: str, actor: str = "operator") -> Job:
+    """Enqueue a schedule's job now, outside its slots; the next slot is not disturbed.
+
+    While such a manual run is queued or running, asking again returns that job.
+    """
+    row = get(name)
+    job = engine.enqueue(row.kind, row.args, lane=row.lane, unique_key=f"schedule:{name}:manual")
+    if job is None:
+        raise HoldfastError(f"the lane of schedule {name!r} is full and drops new jobs")
+    log.info("schedule_run_now", schedule=name, job_id=job.pk, by=actor)
+    return job
+
+
+def overdue(now: datetime) -> list[dict[str, Any]]:
+    """Active schedules whose slot is well past: no scheduler is running (or keeping up)."""
+    late = Schedule.objects.filter(
+        declared=True, paused=False, next_due_at__lt=now - OVERDUE_AFTER
+    ).order_by("next_due_at")
+    return [
+        {
+            "name": row.name,
+            "kind": row.kind,
+            "next_due_at": row.next_due_at.isoformat(),
+            "overdue_s": round((now - row.next_due_at).total_seconds(), 1),
+        }
+        for row in late
+    ]
+
+
+class SchedulerLoop:
+    """``runscheduler``'s loop (also a thread of ``runworker --with-scheduler``).
+
+    Every pass reclaims expired leases and ticks; it then sleeps until the next due slot,
+    at most ``MAX_SLEEP`` seconds, measured on the monotonic clock and recomputed from the
+    database clock each pass, so a suspend/resume or wall-clock jump only delays one pass.
+    """
+
+    def __init__(self, stop: threading.Event | None = None) -> None:
+        self.stop = stop or threading.Event()
+
+    def run(self) -> None:
+        delay = 0.5
+        synced = False
+        while not self.stop.is_set():
+            try:
+                if not synced:
+                    sync()
+                    synced = True
+                sleep = self.run_once()
+                delay = 0.5
+            except (OperationalError, InterfaceError) as exc:
+                log.error(
+                    "database_unavailable",
+                    during="scheduler",
+                    error=str(exc).strip(),
+                    retry_in=delay,
+                )
+                connection.close()
+                sleep, delay = delay, min(delay * 2, 30.0)
+            self.stop.wait(sleep)
+        connection.close()
+
+    def run_once(self) -> float:
+        """One pass; returns how long to sleep before the next."""
+        engine.reclaim_expired()
+        now = engine.db_now()
+        tick(now)
+        upcoming = (
+            Schedule.objects.filter(declared=True, paused=False)
+            .order_by("next_due_at")
+            .values_list("next_due_at", flat=True)
+            .first()
+        )
+        if upcoming is None:
+            return MAX_SLEEP
+        return min(MAX_SLEEP, max(0.05, (upcoming - now).total_seconds()))

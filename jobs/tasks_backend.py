@@ -1,0 +1,493 @@
+"""Django's Tasks framework on Holdfast: ``TASKS = {"default": {"BACKEND": ...}}``.
+
+Every Django task becomes a job of one kind, ``django.task``, whose args name the task
+and carry its arguments; the job's lane is the task's ``queue_name``, its priority the
+task's priority and its ``run_at`` the task's ``run_after``. The worker runs it with the
+handler below, so tasks get what every job gets: a lease, retries with backoff, ``dead``
+when the attempts are spent, and recovery when a worker dies (docs/django-tasks.md).
+
+A task's ``TaskResult`` is read back from the job and its attempts (``Lease`` rows):
+``queued`` → READY, ``running`` → RUNNING, ``succeeded`` → SUCCESSFUL, ``dead`` and
+``cancelled`` → FAILED.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from functools import partial
+from traceback import format_exception
+from typing import TYPE_CHECKING, Any
+
+from django.apps import apps
+from django.core import checks
+from django.core.exceptions import ImproperlyConfigured
+from django.db import transaction
+from django.tasks import Task, TaskContext, TaskResult, TaskResultStatus
+from django.tasks.backends.base import BaseTaskBackend
+from django.tasks.base import TaskError
+from django.tasks.exceptions import InvalidTask, TaskResultDoesNotExist
+from django.tasks.signals import task_enqueued, task_finished, task_started
+from django.utils import timezone
+from django.utils.dateparse import parse_datetime
+from django.utils.json import normalize_json
+from django.utils.module_loading import import_string
+
+from . import lanes as lane_config
+from .exceptions import Cancelled, InvalidJob, LaneFull, LaneRefused, PermanentError, UnknownKind
+from .registry import handler
+
+if TYPE_CHECKING:
+    from .context import JobContext
+    from .models import Job, Lease
+
+KIND = "django.task"
+
+# The backend's OPTIONS: defaults for every task it enqueues (a task's own @task(...)
+# options win).
+OPTION_NAMES = ("max_attempts", "lease_seconds")
+
+LocksOption = Sequence[str] | Callable[..., Iterable[str]] | None
+
+_RESULT_ID = re.compile(r"[0-9]{1,18}")  # a job's primary key; longer would overflow bigint
+
+
+class LeaseExpired(Exception):
+    """An attempt whose worker stopped renewing its lease (killed, frozen, or cut off from
+    the database); the attempt was reclaimed. Never raised: it names such attempts in
+    ``TaskResult.errors``, whose traceback is then the engine's one-line account."""
+
+
+# --- options -----------------------------------------------------------------------------
+
+
+def _max_attempts_problem(value: Any) -> str | None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        return f"max_attempts must be a positive integer, not {value!r}"
+    return None
+
+
+def _lease_seconds_problem(value: Any) -> str | None:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not 0 < value < float("inf")
+    ):
+        return f"lease_seconds must be a positive number of seconds, not {value!r}"
+    return None
+
+
+def _locks_problem(locks: Any) -> str | None:
+    if locks is None or callable(locks):
+        return None
+    if isinstance(locks, str) or not isinstance(locks, Sequence):
+        return f"locks must be a list of strings or a callable returning one, not {locks!r}"
+    bad = [lock for lock in locks if not isinstance(lock, str) or not lock]
+    if bad:
+        return f"locks must be non-empty strings, not {bad[0]!r}"
+    return None
+
+
+def _options_problems(options: Any) -> list[str]:
+    """What is wrong with a backend's OPTIONS (empty when nothing is)."""
+    if not isinstance(options, Mapping):
+        return [f"OPTIONS must be a dict, not {type(options).__name__}"]
+    problems = [
+        f"unknown option {name!r} (known: {', '.join(OPTION_NAMES)})"
+        for name in options
+        if name not in OPTION_NAMES
+    ]
+    if "max_attempts" in options:
+        problems.append(_max_attempts_problem(options["max_attempts"]) or "")
+    if "lease_seconds" in options:
+        problems.append(_lease_seconds_problem(options["lease_seconds"]) or "")
+    return [problem for problem in problems if problem]
+
+
+# --- the task class ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class HoldfastTask(Task):
+    """A Django ``Task`` with Holdfast's options, given as ``@task(...)`` keywords.
+
+    ``max_attempts`` and ``lease_seconds`` default to the backend's OPTIONS, then to
+    Holdfast's defaults (10 attempts; ``HOLDFAST_LEASE_SECONDS``). ``locks`` is a list of
+    resource names, or a callable that receives the task's arguments and returns one; it
+    is stored on the job for Holdfast's resource locks and is **not enforced yet**.
+    """
+
+    max_attempts: int | None = None
+    lease_seconds: float | None = None
+    locks: LocksOption = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.locks, list):  # hashable, like the rest of a frozen Task
+            object.__setattr__(self, "locks", tuple(self.locks))
+        Task.__post_init__(self)  # the backend validates the task
+
+
+# --- the backend -------------------------------------------------------------------------
+
+
+class HoldfastBackend(BaseTaskBackend):
+    """Enqueue Django tasks as Holdfast jobs; read their results back from the jobs.
+
+    ``QUEUES`` lists the lanes tasks may use; without it every declared lane is a queue.
+    ``OPTIONS`` holds defaults for ``max_attempts`` and ``lease_seconds``.
+    """
+
+    task_class = HoldfastTask
+    supports_defer = True
+    supports_async_task = True
+    supports_get_result = True
+    supports_priority = True
+
+    def __init__(self, alias: str, params: dict[str, Any]) -> None:
+        super().__init__(alias, params)
+        self.params = params
+        if "QUEUES" not in params:
+            self.queues = set()  # any declared lane; validate_task checks HOLDFAST_LANES
+
+    # --- validation --------------------------------------------------------------------
+
+    def validate_task(self, task: Task[Any, Any]) -> None:
+        super().validate_task(task)
+        declared = lane_config.lanes()
+        lane = declared.get(task.queue_name)
+        if lane is None:
+            raise InvalidTask(
+                f"Queue '{task.queue_name}' is not a Holdfast lane "
+                f"(HOLDFAST_LANES declares: {', '.join(sorted(declared))})."
+            )
+        if not lane.accepts(KIND):
+            raise InvalidTask(
+                f"Lane '{task.queue_name}' does not accept Django tasks: its kinds do not "
+                f"match {KIND!r}."
+            )
+        max_attempts = getattr(task, "max_attempts", None)
+        lease_seconds = getattr(task, "lease_seconds", None)
+        for problem in (
+            None if max_attempts is None else _max_attempts_problem(max_attempts),
+            None if lease_seconds is None else _lease_seconds_problem(lease_seconds),
+            _locks_problem(getattr(task, "locks", None)),
+        ):
+            if problem:
+                raise InvalidTask(f"Task {task.module_path}: {problem}.")
+
+    def check(self, **kwargs: Any) -> list[checks.CheckMessage]:
+        """System checks (``manage.py check``) of this TASKS entry."""
+        where = f"TASKS[{self.alias!r}]"
+        errors: list[checks.CheckMessage] = []
+        if not apps.is_installed("jobs"):
+            errors.append(
+                checks.Error(
+                    f"{where} uses {type(self).__name__}, but 'jobs' is not in INSTALLED_APPS.",
+                    hint="Add 'jobs' to INSTALLED_APPS and run manage.py migrate.",
+                    obj=where,
+                    id="holdfast.E010",
+                )
+            )
+        errors.extend(
+            checks.Error(f"{where}: {problem}.", obj=where, id="holdfast.E011")
+            for problem in self._queues_problems()
+        )
+        errors.extend(
+            checks.Error(f"{where}: {problem}.", obj=where, id="holdfast.E012")
+            for problem in _options_problems(self.options)
+        )
+        return errors
+
+    def _queues_problems(self) -> list[str]:
+        if "QUEUES" not in self.params:
+            return []
+        queues = self.params["QUEUES"]
+        if isinstance(queues, str) or not isinstance(queues, Iterable):
+            return [f"QUEUES must be a list of lane names, not {queues!r}"]
+        try:
+            declared = lane_config.lanes()
+        except (ValueError, TypeError):
+            return []  # HOLDFAST_LANES itself is broken: holdfast.E001 says how
+        problems = []
+        for name in queues:
+            lane = declared.get(name) if isinstance(name, str) else None
+            if lane is None:
+                problems.append(
+                    f"QUEUES names {name!r}, which is not a lane in HOLDFAST_LANES "
+                    f"(declared: {', '.join(sorted(declared))})"
+                )
+            elif not lane.accepts(KIND):
+                problems.append(f"QUEUES names lane {name!r}, whose kinds do not accept {KIND!r}")
+        return problems
+
+    def _defaults(self) -> Mapping[str, Any]:
+        problems = _options_problems(self.options)
+        if problems:
+            raise ImproperlyConfigured(f"TASKS[{self.alias!r}]: {'; '.join(problems)}.")
+        return self.options
+
+    # --- enqueue -----------------------------------------------------------------------
+
+    def enqueue(
+        self, task: Task[Any, Any], args: Sequence[Any], kwargs: Mapping[str, Any]
+    ) -> TaskResult[Any, Any]:
+        """Write the task's job in the caller's transaction; it exists iff that commits."""
+        from . import engine
+
+        self.validate_task(task)
+        defaults = self._defaults()
+        try:
+            payload: dict[str, Any] = {
+                "task": task.module_path,
+                "args": normalize_json(args),
+                "kwargs": normalize_json(kwargs),
+                "backend": self.alias,
+                "takes_context": task.takes_context,
+                "run_after": task.run_after.isoformat() if task.run_after else None,
+            }
+        except (TypeError, ValueError) as exc:
+            raise InvalidTask(
+                f"Task {task.module_path}: arguments must be JSON-serializable ({exc})."
+            ) from None
+        locks = _locks_for(task, args, kwargs)
+        if locks is not None:
+            payload["locks"] = locks
+        try:
+            job = engine.enqueue(
+                KIND,
+                payload,
+                lane=task.queue_name,
+                priority=int(task.priority),
+                run_at=task.run_after,
+                max_attempts=getattr(task, "max_attempts", None) or defaults.get("max_attempts"),
+                lease_seconds=getattr(task, "lease_seconds", None) or defaults.get("lease_seconds"),
+            )
+        except InvalidJob as exc:
+            raise InvalidTask(f"Task {task.module_path}: {exc}.") from None
+        except LaneRefused as exc:
+            raise InvalidTask(f"Queue '{task.queue_name}' is not valid: {exc}.") from None
+        if job is None:
+            raise LaneFull(
+                f"lane {task.queue_name!r} is full and drops new jobs (on_full='drop'): "
+                f"task {task.module_path} was not enqueued"
+            )
+        result: TaskResult[Any, Any] = TaskResult(
+            task=task,
+            id=str(job.pk),
+            status=TaskResultStatus.READY,
+            enqueued_at=job.created_at,
+            started_at=None,
+            finished_at=None,
+            last_attempted_at=None,
+            args=payload["args"],
+            kwargs=payload["kwargs"],
+            backend=self.alias,
+            errors=[],
+            worker_ids=[],
+        )
+        # The task is enqueued when the caller commits; a rollback enqueued nothing.
+        transaction.on_commit(
+            partial(task_enqueued.send, type(self), task_result=result), robust=True
+        )
+        return result
+
+    # --- results -----------------------------------------------------------------------
+
+    def get_result(self, result_id: str) -> TaskResult[Any, Any]:
+        """The task's result, built from its job and attempts.
+
+        TaskResultDoesNotExist for an id that is not a Django task's job enqueued through
+        this backend alias (results are per alias, as in Django's other stores).
+        """
+        from .models import Job
+
+        text = str(result_id)
+        if not _RESULT_ID.fullmatch(text):
+            raise TaskResultDoesNotExist(result_id)
+        job = Job.objects.filter(pk=int(text), kind=KIND).first()
+        if job is None or not isinstance(job.args, dict) or job.args.get("backend") != self.alias:
+            raise TaskResultDoesNotExist(result_id)
+        return task_result(job, list(job.leases.order_by("lease_token")))
+
+
+def _locks_for(
+    task: Task[Any, Any], args: Sequence[Any], kwargs: Mapping[str, Any]
+) -> list[str] | None:
+    locks = getattr(task, "locks", None)
+    if locks is None:
+        return None
+    if callable(locks):
+        locks = locks(*args, **kwargs)
+        if isinstance(locks, str) or not isinstance(locks, Iterable):
+            raise InvalidTask(f"Task {task.module_path}: locks() must return a list of strings.")
+        locks = list(locks)
+        problem = _locks_problem(locks)
+        if problem:
+            raise InvalidTask(f"Task {task.module_path}: {problem}.")
+    return list(locks)
+
+
+# --- results from jobs -------------------------------------------------------------------
+
+_STATUS = {
+    "queued": TaskResultStatus.READY,
+    "running": TaskResultStatus.RUNNING,
+    "succeeded": TaskResultStatus.SUCCESSFUL,
+    "dead": TaskResultStatus.FAILED,
+    "cancelled": TaskResultStatus.FAILED,
+}
+
+
+def task_result(job: Job, leases: Sequence[Lease]) -> TaskResult[Any, Any]:
+    """The ``TaskResult`` of a ``django.task`` job and its attempts (leases, in order).
+
+    Attempts a graceful shutdown gave back (``released``) are not charged and do not
+    appear. Each charged attempt adds its worker to ``worker_ids`` (so ``attempts`` is the
+    job's attempt count), and each failed or reclaimed one adds a ``TaskError``.
+    """
+    from .models import Outcome, State
+
+    charged = [lease for lease in leases if lease.outcome != Outcome.RELEASED]
+    errors = [
+        TaskError(
+            exception_class_path=_exception_class_path(lease.error_class),
+            traceback=lease.traceback or lease.error_message,
+        )
+        for lease in charged
+        if lease.outcome in (Outcome.FAILED, Outcome.LEASE_EXPIRED)
+    ]
+    if job.state == State.CANCELLED:
+        errors.append(
+            TaskError(
+                exception_class_path=f"{Cancelled.__module__}.{Cancelled.__qualname__}",
+                traceback=job.last_error or "cancelled",
+            )
+        )
+    status = _STATUS[job.state]
+    finished = status in (TaskResultStatus.SUCCESSFUL, TaskResultStatus.FAILED)
+    payload = job.args
+    result: TaskResult[Any, Any] = TaskResult(
+        task=_task_of(payload, job),
+        id=str(job.pk),
+        status=status,
+        enqueued_at=job.created_at,
+        started_at=charged[0].acquired_at if charged else None,
+        finished_at=job.finished_at if finished else None,
+        last_attempted_at=charged[-1].acquired_at if charged else None,
+        args=payload.get("args", []),
+        kwargs=payload.get("kwargs", {}),
+        backend=payload.get("backend", ""),
+        errors=errors,
+        worker_ids=[lease.worker_id for lease in charged],
+    )
+    if status == TaskResultStatus.SUCCESSFUL:
+        object.__setattr__(result, "_return_value", job.result)
+    return result
+
+
+def _task_of(payload: Mapping[str, Any], job: Job) -> Task[Any, Any]:
+    """The Task as it was enqueued: the module's task with the job's queue and priority."""
+    path = payload.get("task")
+    if not isinstance(path, str):
+        raise InvalidTask(f"Job {job.pk} is not a Django task: its args name no task.")
+    task = import_string(path)  # ImportError: not deployed here (yet)
+    if not isinstance(task, Task):
+        raise InvalidTask(f"{path!r} is not a Django task (decorate it with @task).")
+    run_after = payload.get("run_after")
+    return task.using(
+        priority=job.priority,
+        queue_name=job.lane,
+        backend=payload.get("backend") or task.backend,
+        run_after=parse_datetime(run_after) if isinstance(run_after, str) else None,
+    )
+
+
+def _exception_class_path(error_class: str) -> str:
+    """An importable path for an attempt's recorded error class.
+
+    The engine records builtins by bare name ("ValueError") and a reclaimed attempt as
+    "LeaseExpired"; Django wants a dotted path that ``import_string`` resolves.
+    """
+    if error_class == "LeaseExpired":
+        return f"{LeaseExpired.__module__}.{LeaseExpired.__qualname__}"
+    if not error_class:
+        return "builtins.Exception"
+    if "." not in error_class:
+        return f"builtins.{error_class}"
+    return error_class
+
+
+# --- running tasks -----------------------------------------------------------------------
+
+
+def _declared_locks(args: dict[str, Any]) -> list[str]:
+    """The resource locks a task's job declares (for the engine's locks; not enforced yet)."""
+    return list(args.get("locks") or [])
+
+
+@handler(KIND, locks=_declared_locks)
+def run_task(ctx: JobContext, **payload: Any) -> Any:
+    """Run one Django task: Holdfast's job handler for every ``django.task`` job.
+
+    Sends ``task_started`` at the start of every attempt and ``task_finished`` once the
+    task has finished for good: after its success has committed, or when it fails with
+    no attempt left (or a PermanentError). An attempt that will be retried sends none.
+    """
+    from .models import Lease
+
+    leases = list(
+        Lease.objects.filter(job_id=ctx.job_id).select_related("job").order_by("lease_token")
+    )
+    if not leases:
+        raise PermanentError(f"job {ctx.job_id} has no attempt record")
+    try:
+        result = task_result(leases[0].job, leases)  # RUNNING, this attempt included
+    except InvalidTask as exc:
+        raise PermanentError(str(exc)) from None
+    task = result.task
+    sender = type(task.get_backend())
+    task_started.send_robust(sender, task_result=result)
+    try:
+        if task.takes_context:
+            raw = task.call(TaskContext(task_result=result), *result.args, **result.kwargs)
+        else:
+            raw = task.call(*result.args, **result.kwargs)
+        value = _json_result(raw)
+    except Exception as exc:
+        result.errors.append(
+            TaskError(
+                exception_class_path=f"{type(exc).__module__}.{type(exc).__qualname__}",
+                traceback="".join(format_exception(exc)),
+            )
+        )
+        if ctx.attempt >= ctx.max_attempts or isinstance(
+            exc, PermanentError | UnknownKind | Cancelled
+        ):
+            _finish(result, TaskResultStatus.FAILED)
+            task_finished.send_robust(sender, task_result=result)  # exc_info is set here
+        raise
+    # Success commits first (fenced: LeaseLost if another attempt owns the job now), so
+    # a task_finished receiver that reads the result back sees it SUCCESSFUL.
+    with ctx.atomic(complete=True, result=value):
+        pass
+    object.__setattr__(result, "_return_value", value)
+    _finish(result, TaskResultStatus.SUCCESSFUL)
+    task_finished.send_robust(sender, task_result=result)
+    return value
+
+
+def _json_result(raw: Any) -> Any:
+    from .engine import ARGS_ENCODER
+
+    try:
+        value = normalize_json(raw)
+        ARGS_ENCODER.encode(value)  # strict: no NaN or Infinity either
+    except (TypeError, ValueError) as exc:
+        raise PermanentError(f"the task returned a value that is not JSON: {exc}") from None
+    return value
+
+
+def _finish(result: TaskResult[Any, Any], status: TaskResultStatus) -> None:
+    object.__setattr__(result, "status", status)
+    object.__setattr__(result, "finished_at", timezone.now())

@@ -1,0 +1,143 @@
+"""Every error of the internal API as JSON: ``{"error": "<one line>", "code": "<reason>"}``.
+
+DRF's own errors (401, 403, 404, 405, 406, 415, parse errors) keep their status; bad input
+(400) adds ``fields``, naming each offending field and what is wrong with it. The engine's
+errors map to HTTP as DESIGN §8 says: an unknown id is 404, an action that the job's state
+does not allow is 409. A database that cannot be reached is 503. Django's 404 and 500
+pages for URLs outside any view are JSON too (``not_found`` and ``server_error``, wired
+in ``config/urls.py``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.core.exceptions import PermissionDenied as DjangoPermissionDenied
+from django.db import InterfaceError, OperationalError
+from django.http import Http404, HttpRequest, JsonResponse
+from rest_framework import exceptions, status
+from rest_framework.response import Response
+from rest_framework.views import set_rollback
+
+from jobs.exceptions import HoldfastError, InvalidJob, StateConflict
+from jobs.log import get_logger
+
+log = get_logger("ops.api")
+
+DATABASE_UNAVAILABLE = "the database is unavailable; try again shortly"
+# Errors of the database connection itself (not of a statement): the database is down,
+# unreachable, or (SQLite) locked for longer than the busy timeout.
+DATABASE_DOWN = (OperationalError, InterfaceError)
+
+
+class Conflict(exceptions.APIException):
+    status_code = status.HTTP_409_CONFLICT
+    default_code = "conflict"
+    default_detail = "the resource's state does not allow this"
+
+
+class DatabaseUnavailable(exceptions.APIException):
+    status_code = status.HTTP_503_SERVICE_UNAVAILABLE
+    default_code = "database_unavailable"
+    default_detail = DATABASE_UNAVAILABLE
+
+
+def field_errors(detail: Any) -> dict[str, list[str]]:
+    """DRF's validation detail as ``{field: [message, …]}``; errors of the whole body go
+    under ``body``."""
+    if isinstance(detail, dict):
+        return {
+            ("body" if key == "non_field_errors" else str(key)): [
+                str(message) for message in (value if isinstance(value, list) else [value])
+            ]
+            for key, value in detail.items()
+        }
+    messages = detail if isinstance(detail, list) else [detail]
+    return {"body": [str(message) for message in messages]}
+
+
+def one_line(text: str, limit: int = 1000) -> str:
+    """``text`` on one line (messages may quote the caller's input), at most ``limit`` long."""
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def summary(fields: dict[str, list[str]]) -> str:
+    return "; ".join(f"{field}: {' '.join(messages)}" for field, messages in fields.items())
+
+
+def as_api_exception(exc: Exception) -> exceptions.APIException | None:
+    """The API error an exception stands for, or None for a bug (left to Django: a 500)."""
+    if isinstance(exc, exceptions.APIException):
+        return exc
+    if isinstance(exc, Http404):
+        return exceptions.NotFound(str(exc) or None)
+    if isinstance(exc, DjangoPermissionDenied):
+        return exceptions.PermissionDenied(str(exc) or None)
+    # JobNotFound, IssueNotFound, ... (not any LookupError: a stray KeyError is a bug).
+    if isinstance(exc, HoldfastError) and isinstance(exc, LookupError):
+        return exceptions.NotFound(str(exc))
+    if isinstance(exc, StateConflict):
+        return Conflict(str(exc))
+    if isinstance(exc, InvalidJob):
+        return exceptions.ValidationError({"body": [str(exc)]})
+    if isinstance(exc, DATABASE_DOWN):
+        return DatabaseUnavailable()
+    return None
+
+
+def exception_handler(exc: Exception, context: dict[str, Any]) -> Response | None:
+    """DRF's ``EXCEPTION_HANDLER`` for the internal API."""
+    api_exc = as_api_exception(exc)
+    if api_exc is None:
+        return None
+    request = context.get("request")
+    where = {
+        "method": getattr(request, "method", None),
+        "path": getattr(request, "path", None),
+    }
+    headers: dict[str, str] = {}
+    # As DRF's own handler: APIView.handle_exception sets auth_header on 401s; throttles
+    # set wait.
+    auth_header = getattr(api_exc, "auth_header", None)
+    if auth_header:
+        headers["WWW-Authenticate"] = str(auth_header)
+    wait = getattr(api_exc, "wait", None)
+    if wait:
+        headers["Retry-After"] = f"{wait:.0f}"
+    data: dict[str, Any]
+    if isinstance(api_exc, exceptions.ValidationError):
+        fields = field_errors(api_exc.detail)
+        data = {"error": one_line(summary(fields)), "code": "invalid", "fields": fields}
+    elif isinstance(api_exc, exceptions.NotAuthenticated):
+        data = {
+            "error": "no token: send the header 'Authorization: Bearer <token>'",
+            "code": "not_authenticated",
+        }
+    else:
+        codes = api_exc.get_codes()
+        data = {
+            "error": one_line(str(api_exc.detail)),
+            "code": codes if isinstance(codes, str) else api_exc.default_code,
+        }
+    if isinstance(api_exc, DatabaseUnavailable):
+        log.warning("api_database_unavailable", error=f"{type(exc).__name__}: {exc}", **where)
+    elif isinstance(api_exc, exceptions.PermissionDenied):
+        principal = getattr(request, "user", None)
+        log.info("api_forbidden", token=getattr(principal, "name", None), **where)
+    set_rollback()
+    return Response(data, status=api_exc.status_code, headers=headers)
+
+
+# --- Django's handlers, for URLs that reach no API view ---------------------------------
+
+
+def not_found(request: HttpRequest, exception: Exception | None = None) -> JsonResponse:
+    return JsonResponse(
+        {"error": one_line(f"no such endpoint: {request.path}"), "code": "not_found"}, status=404
+    )
+
+
+def server_error(request: HttpRequest) -> JsonResponse:
+    # Django has logged the exception (logger django.request) before calling this.
+    return JsonResponse({"error": "internal server error", "code": "server_error"}, status=500)

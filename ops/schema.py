@@ -1,0 +1,69 @@
+"""OpenAPI pieces drf-spectacular cannot infer: the bearer token scheme, shared responses."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from drf_spectacular.extensions import OpenApiAuthenticationExtension
+from drf_spectacular.openapi import AutoSchema
+from drf_spectacular.renderers import OpenApiJsonRenderer, OpenApiJsonRenderer2
+from drf_spectacular.utils import OpenApiParameter, OpenApiResponse
+from drf_spectacular.views import SpectacularAPIView
+from rest_framework.permissions import AllowAny
+
+from .serializers import ErrorResponse
+
+
+class BearerTokenScheme(OpenApiAuthenticationExtension):
+    target_class = "ops.authentication.BearerTokenAuthentication"
+    name = "bearerToken"
+
+    def get_security_definition(self, auto_schema: AutoSchema) -> dict[str, Any]:
+        return {
+            "type": "http",
+            "scheme": "bearer",
+            "description": "a token from `manage.py create_ops_token NAME --scope read|write`",
+        }
+
+
+def error(description: str) -> OpenApiResponse:
+    return OpenApiResponse(ErrorResponse, description=description)
+
+
+BAD_INPUT = error("bad input: `fields` names each offending field")
+UNAUTHENTICATED = error("no token, or an unknown, malformed or revoked one")
+FORBIDDEN = error("the token's scope is read: it may not POST")
+NOT_FOUND = error("no such id")
+CONFLICT = error("the job's or issue's state does not allow this action")
+UNSUPPORTED = error("the body is not JSON (send Content-Type: application/json)")
+DATABASE_DOWN = error("the database is unreachable; retry later")
+
+# Every endpoint refuses unknown query parameters (400).
+READ_ERRORS = {400: BAD_INPUT, 401: UNAUTHENTICATED, 503: DATABASE_DOWN}
+WRITE_ERRORS = {
+    400: BAD_INPUT,
+    401: UNAUTHENTICATED,
+    403: FORBIDDEN,
+    404: NOT_FOUND,
+    503: DATABASE_DOWN,
+}
+
+
+def id_parameter(name: str, what: str) -> OpenApiParameter:
+    return OpenApiParameter(
+        name,
+        type={"type": "integer", "format": "int64", "minimum": 1},
+        location=OpenApiParameter.PATH,
+        description=f"the {what}'s id",
+    )
+
+
+class SchemaView(SpectacularAPIView):
+    """The OpenAPI 3 schema of this API, as JSON, for anyone: it describes, it holds no data.
+
+    It reads no token, so a bad one is not refused here.
+    """
+
+    renderer_classes = [OpenApiJsonRenderer2, OpenApiJsonRenderer]
+    authentication_classes = []
+    permission_classes = [AllowAny]

@@ -1,0 +1,312 @@
+"""The internal API's inputs (validated here) and outputs (described here for the schema).
+
+Inputs: the query parameters of the list endpoints and the body of ``resolve``. Each is a
+DRF serializer, so a bad value becomes a 400 that names the field.
+
+Outputs are built by the same functions the commands use (``jobs.serialization``,
+``jobs.status``, ``ingestion.reconciliation.issue_dict``); the serializers below only
+describe those shapes for the OpenAPI schema, and ``tests/integration/test_api.py`` checks
+that they name the same fields, so the schema cannot drift from what is served.
+"""
+
+from __future__ import annotations
+
+import re
+from datetime import UTC, datetime
+from typing import Any
+
+from django.core.exceptions import ValidationError as DjangoValidationError
+from django.core.validators import ProhibitNullCharactersValidator, RegexValidator
+from rest_framework import serializers
+
+from ingestion.models import IssueKind, IssueStatus
+from jobs.models import Outcome, State
+
+PAGE_SIZE_DEFAULT = 50
+PAGE_SIZE_MAX = 200
+PAGE_MAX = 1_000_000_000  # keeps the offset far inside a 64-bit integer
+
+
+# --- input fields ------------------------------------------------------------------------
+
+
+class StorableText(RegexValidator):
+    """Text the database can store: no NUL characters (PostgreSQL refuses them) and no lone
+    surrogates (not encodable as UTF-8). The schema shows the NUL rule as a ``pattern``."""
+
+    regex = r"\A[^\x00]*\Z"
+    message = "must not contain NUL characters"
+
+    def __call__(self, value: Any) -> None:
+        super().__call__(value)
+        try:
+            str(value).encode("utf-8")
+        except UnicodeEncodeError:
+            raise DjangoValidationError("must be valid Unicode text") from None
+
+
+class StrictCharField(serializers.CharField):
+    """A string, and only a string: DRF's CharField would turn ``5`` into ``"5"``."""
+
+    default_error_messages = {"invalid": "must be a string"}
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        # StorableText says what DRF's own NUL check says, and shows it in the schema.
+        self.validators = [
+            validator
+            for validator in self.validators
+            if not isinstance(validator, ProhibitNullCharactersValidator)
+        ]
+        self.validators.append(StorableText())
+
+    def to_internal_value(self, data: Any) -> str:
+        if not isinstance(data, str):
+            self.fail("invalid")
+        return super().to_internal_value(data)
+
+
+class StrictIntegerField(serializers.IntegerField):
+    """Decimal digits only: DRF's IntegerField would also take ``2.0`` and `` 2``."""
+
+    default_error_messages = {"invalid": "must be a whole number, e.g. 2"}
+
+    def to_internal_value(self, data: Any) -> int:
+        if isinstance(data, bool) or not (
+            isinstance(data, int) or (isinstance(data, str) and re.fullmatch(r"[0-9]{1,19}", data))
+        ):
+            self.fail("invalid")
+        return super().to_internal_value(data)
+
+
+class AwareDateTimeField(serializers.DateTimeField):
+    """An ISO 8601 timestamp that names its UTC offset (``Z`` or ``+02:00``)."""
+
+    default_error_messages = {
+        "invalid": "must be an ISO 8601 timestamp with a UTC offset, e.g. 2026-11-30T10:00:00Z",
+        "naive": "must name its UTC offset, e.g. 2026-11-30T10:00:00Z or +02:00",
+    }
+
+    def to_internal_value(self, value: Any) -> datetime:
+        if not isinstance(value, str):
+            self.fail("invalid")
+        # RFC 3339 also allows a lower-case t and z, and a leap second (read as :59).
+        text = re.sub(r"(T\d{2}:\d{2}):60", r"\1:59", value.upper())
+        try:
+            parsed = datetime.fromisoformat(text)
+        except ValueError:
+            self.fail("invalid")
+        if parsed.tzinfo is None or parsed.utcoffset() is None:
+            self.fail("naive")
+        try:
+            return parsed.astimezone(UTC)
+        except (OverflowError, ValueError):  # e.g. 0001-01-01T00:00:00+01:00
+            self.fail("invalid")
+
+
+def choice_field(choices: list[str], help_text: str) -> serializers.ChoiceField:
+    return serializers.ChoiceField(
+        choices=choices,
+        required=False,
+        help_text=help_text,
+        error_messages={"invalid_choice": f'"{{input}}" is not one of {", ".join(choices)}'},
+    )
+
+
+# --- query parameters --------------------------------------------------------------------
+
+
+class PageQuery(serializers.Serializer):
+    page = StrictIntegerField(
+        required=False, min_value=1, max_value=PAGE_MAX, help_text="page number, from 1"
+    )
+    page_size = StrictIntegerField(
+        required=False,
+        min_value=1,
+        max_value=PAGE_SIZE_MAX,
+        help_text=f"items per page (default {PAGE_SIZE_DEFAULT}, at most {PAGE_SIZE_MAX})",
+    )
+
+
+class DeadJobsQuery(PageQuery):
+    lane = StrictCharField(required=False, max_length=100, help_text="only jobs of this lane")
+    kind = StrictCharField(required=False, max_length=200, help_text="only jobs of this kind")
+    since = AwareDateTimeField(
+        required=False,
+        help_text="only jobs that died at or after this time (ISO 8601 with a UTC offset)",
+    )
+
+
+class IssuesQuery(PageQuery):
+    status = choice_field(IssueStatus.values, "open or resolved")
+    kind = choice_field(IssueKind.values, "the kind of issue")
+    # The metaclass takes declared fields off the class, so these names shadow nothing.
+    source = StrictCharField(  # type: ignore[assignment]
+        required=False, max_length=200, help_text="the source's name"
+    )
+
+
+# --- request bodies ----------------------------------------------------------------------
+
+
+class Resolve(serializers.Serializer):
+    """The body of ``POST reconciliation-issues/{id}/resolve/``."""
+
+    comment = StrictCharField(
+        max_length=10_000,
+        help_text="why the issue is resolved (required, not blank; at most 10,000 characters)",
+    )
+
+
+# --- responses (schema only) -------------------------------------------------------------
+
+
+class ErrorResponse(serializers.Serializer):
+    error = serializers.CharField(help_text="what went wrong, in one line")
+    code = serializers.CharField(
+        help_text="machine-readable reason, e.g. not_authenticated, invalid, conflict"
+    )
+    fields = serializers.DictField(  # type: ignore[assignment]  # a field, see IssuesQuery
+        child=serializers.ListField(child=serializers.CharField()),
+        required=False,
+        help_text="bad input only: each offending field (or 'body') and what is wrong with it",
+    )
+
+
+class JobResponse(serializers.Serializer):
+    id = serializers.IntegerField()
+    kind = serializers.CharField()
+    lane = serializers.CharField()
+    state = serializers.ChoiceField(choices=State.values)
+    args = serializers.JSONField()
+    priority = serializers.IntegerField()
+    attempts = serializers.IntegerField()
+    max_attempts = serializers.IntegerField()
+    lease_token = serializers.IntegerField()
+    leased_by = serializers.CharField(allow_null=True)
+    lease_expires_at = serializers.DateTimeField(allow_null=True)
+    run_at = serializers.DateTimeField()
+    unique_key = serializers.CharField(allow_null=True)
+    cancel_requested = serializers.BooleanField()
+    progress = serializers.JSONField(allow_null=True)
+    result = serializers.JSONField(allow_null=True)
+    created_at = serializers.DateTimeField()
+    started_at = serializers.DateTimeField(allow_null=True)
+    finished_at = serializers.DateTimeField(allow_null=True)
+    last_error = serializers.CharField(allow_null=True)
+
+
+class LeaseResponse(serializers.Serializer):
+    attempt = serializers.IntegerField()
+    lease_token = serializers.IntegerField()
+    worker_id = serializers.CharField()
+    acquired_at = serializers.DateTimeField()
+    expires_at = serializers.DateTimeField()
+    released_at = serializers.DateTimeField(allow_null=True)
+    outcome = serializers.ChoiceField(choices=Outcome.values)
+    error_class = serializers.CharField(allow_null=True)
+    error_message = serializers.CharField(allow_null=True)
+    traceback = serializers.CharField(allow_null=True)
+    context = serializers.DictField(  # type: ignore[assignment]  # a field, see IssuesQuery
+        help_text="the log context bound during the attempt"
+    )
+
+
+class JobDetailResponse(JobResponse):
+    leases = LeaseResponse(many=True, help_text="every attempt, oldest first")
+
+
+class PageResponse(serializers.Serializer):
+    count = serializers.IntegerField(help_text="how many items match, on all pages")
+    page = serializers.IntegerField()
+    page_size = serializers.IntegerField()
+    next = serializers.URLField(allow_null=True, help_text="the next page, or null")
+    previous = serializers.URLField(allow_null=True, help_text="the previous page, or null")
+
+
+class DeadJobsResponse(PageResponse):
+    jobs = JobResponse(many=True)
+
+
+class IssueResponse(serializers.Serializer):
+    id = serializers.IntegerField()
+    kind = serializers.ChoiceField(choices=IssueKind.values)
+    source = serializers.CharField(allow_blank=True)  # type: ignore[assignment]  # see IssuesQuery
+    subject = serializers.CharField()
+    details = serializers.DictField()
+    status = serializers.ChoiceField(choices=IssueStatus.values)
+    created_at = serializers.DateTimeField()
+    resolved_at = serializers.DateTimeField(allow_null=True)
+    resolved_by = serializers.CharField(allow_null=True)
+    comment = serializers.CharField(allow_null=True)
+
+
+class IssuesResponse(PageResponse):
+    issues = IssueResponse(many=True)
+
+
+class LaneFigures(serializers.Serializer):
+    queued = serializers.IntegerField()
+    running = serializers.IntegerField()
+    succeeded = serializers.IntegerField()
+    dead = serializers.IntegerField()
+    cancelled = serializers.IntegerField()
+    oldest_queued_age_s = serializers.FloatField(
+        allow_null=True, help_text="age of the oldest runnable queued job, in seconds"
+    )
+
+
+class LiveLease(serializers.Serializer):
+    job_id = serializers.IntegerField()
+    kind = serializers.CharField()
+    lane = serializers.CharField()
+    worker_id = serializers.CharField(allow_null=True)
+    lease_token = serializers.IntegerField()
+    expires_at = serializers.DateTimeField(allow_null=True)
+    expired = serializers.BooleanField()
+
+
+class WorkerFigures(serializers.Serializer):
+    id = serializers.CharField()
+    host = serializers.CharField()
+    pid = serializers.IntegerField()
+    lanes = serializers.JSONField(help_text='the lanes it serves (a list), or "all"')
+    current_job = serializers.IntegerField(allow_null=True)
+    heartbeat_at = serializers.DateTimeField()
+    stale = serializers.BooleanField()
+
+
+class QueueResponse(serializers.Serializer):
+    now = serializers.DateTimeField(help_text="the database clock")
+    totals = serializers.DictField(child=serializers.IntegerField(), help_text="jobs per state")
+    dead = serializers.IntegerField()
+    lanes = serializers.DictField(child=LaneFigures(), help_text="figures per lane")
+    live_leases = LiveLease(many=True)
+    workers = WorkerFigures(many=True)
+    schedules_overdue = serializers.ListField(child=serializers.JSONField())
+    delayed = serializers.IntegerField(help_text="queued jobs whose run_at is in the future")
+
+
+class HealthWorkers(serializers.Serializer):
+    live = serializers.IntegerField()
+    stale = serializers.IntegerField()
+    stale_after_s = serializers.FloatField()
+
+
+class HealthSpool(serializers.Serializer):
+    pending = serializers.IntegerField(
+        allow_null=True, help_text="*.json files waiting in incoming/; null if unreadable"
+    )
+    oldest_age_s = serializers.FloatField(
+        allow_null=True, help_text="age of the oldest waiting file, in seconds; null if none"
+    )
+    error = serializers.CharField(required=False, help_text="why the spool could not be read")
+
+
+class HealthResponse(serializers.Serializer):
+    status = serializers.ChoiceField(choices=["ok", "down"])
+    database = serializers.ChoiceField(
+        choices=["ok"], required=False, help_text="with a token only"
+    )
+    workers = HealthWorkers(required=False, help_text="with a token only")
+    spool = HealthSpool(required=False, help_text="with a token only")

@@ -1,0 +1,25 @@
+"""Routes of the internal API, mounted at ``/internal/v1/`` by ``config/urls.py``."""
+
+from django.urls import path
+
+from . import views
+from .schema import SchemaView
+
+app_name = "ops"
+
+urlpatterns = [
+    path("queue/", views.QueueView.as_view(), name="queue"),
+    path("dead-jobs/", views.DeadJobsView.as_view(), name="dead-jobs"),
+    path("jobs/<int:job_id>/", views.JobView.as_view(), name="job"),
+    path("jobs/<int:job_id>/requeue/", views.RequeueView.as_view(), name="job-requeue"),
+    path("jobs/<int:job_id>/cancel/", views.CancelView.as_view(), name="job-cancel"),
+    path("reconciliation-issues/", views.IssuesView.as_view(), name="issues"),
+    path(
+        "reconciliation-issues/<int:issue_id>/resolve/",
+        views.ResolveView.as_view(),
+        name="issue-resolve",
+    ),
+    # GET search/?q= arrives with the sources and artifacts issue (DESIGN §9, §11).
+    path("health/", views.HealthView.as_view(), name="health"),
+    path("schema/", SchemaView.as_view(), name="schema"),
+]

@@ -1,0 +1,343 @@
+"""The internal operator API (DESIGN §9): thin views over the engine's own functions.
+
+Every view answers JSON. Reading needs a ``read`` or ``write`` token, changing anything a
+``write`` token (``ops.authentication``); ``health/`` also answers without a token, with
+up/down only. A POST runs the same engine function as the matching command, inside one
+transaction, with the token's name as the actor the engine logs.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any, ClassVar
+
+from django.conf import settings
+from django.db import connection, transaction
+from django.db.models import Count, Q, QuerySet
+from drf_spectacular.utils import OpenApiExample, OpenApiResponse, extend_schema
+from rest_framework import serializers
+from rest_framework.exceptions import NotAuthenticated, ValidationError
+from rest_framework.permissions import AllowAny
+from rest_framework.request import Request
+from rest_framework.response import Response
+from rest_framework.utils.urls import replace_query_param
+from rest_framework.views import APIView
+
+from ingestion import reconciliation
+from jobs import engine
+from jobs.log import get_logger
+from jobs.models import Job, State, Worker
+from jobs.serialization import job_detail_dict, job_dict
+from jobs.status import STALE_WORKER_FLOOR_SECONDS, queue_status
+
+from . import schema
+from .authentication import BearerTokenAuthentication
+from .exceptions import DATABASE_DOWN
+from .serializers import (
+    PAGE_SIZE_DEFAULT,
+    DeadJobsQuery,
+    DeadJobsResponse,
+    HealthResponse,
+    IssueResponse,
+    IssuesQuery,
+    IssuesResponse,
+    JobDetailResponse,
+    JobResponse,
+    QueueResponse,
+    Resolve,
+)
+from .tokens import Principal
+
+log = get_logger("ops.api")
+
+
+class OpsView(APIView):
+    """Base of the API's views: validates the query string against ``query_serializer``.
+
+    A parameter the endpoint does not know, or one given twice, is bad input: a typo in a
+    filter must not silently widen what an operator acts on.
+    """
+
+    query_serializer: ClassVar[type[serializers.Serializer] | None] = None
+    query: dict[str, Any]
+
+    def initial(self, request: Request, *args: Any, **kwargs: Any) -> None:
+        super().initial(request, *args, **kwargs)  # authentication and scope first
+        self.query = self.validated_query(request)
+
+    def validated_query(self, request: Request) -> dict[str, Any]:
+        known = list(self.query_serializer().fields) if self.query_serializer else []
+        errors: dict[str, list[str]] = {}
+        for name in request.query_params:
+            if name not in known:
+                takes = f"it takes {', '.join(known)}" if known else "it takes none"
+                errors[name] = [f"unknown parameter for this endpoint ({takes})"]
+            elif len(request.query_params.getlist(name)) > 1:
+                errors[name] = ["given more than once"]
+        if errors:
+            raise ValidationError(errors)
+        if self.query_serializer is None:
+            return {}
+        found = self.query_serializer(data=request.query_params.dict())
+        found.is_valid(raise_exception=True)
+        return dict(found.validated_data)
+
+
+def principal(request: Request) -> Principal:
+    """The token behind an authenticated request (the permission class guarantees one)."""
+    user: object = request.user
+    if not isinstance(user, Principal):
+        raise NotAuthenticated()
+    return user
+
+
+def paginate(
+    request: Request,
+    query: dict[str, Any],
+    found: QuerySet[Any],
+    key: str,
+    shape: Callable[[Any], dict[str, Any]],
+) -> dict[str, Any]:
+    """One page of ``found`` (already in a stable order) as ``{count, page, …, key: […]}``."""
+    page: int = query.get("page", 1)
+    size: int = query.get("page_size", PAGE_SIZE_DEFAULT)
+    count = found.count()
+    last = max(1, math.ceil(count / size))
+    offset = (page - 1) * size
+    items = [shape(item) for item in found[offset : offset + size]] if offset < count else []
+    url = request.build_absolute_uri()
+
+    def link(number: int) -> str:
+        return replace_query_param(url, "page", number)
+
+    return {
+        "count": count,
+        "page": page,
+        "page_size": size,
+        "next": link(page + 1) if page < last else None,
+        "previous": link(min(page - 1, last)) if page > 1 else None,
+        key: items,
+    }
+
+
+class QueueView(OpsView):
+    """The figures of ``queue_status --json``."""
+
+    @extend_schema(
+        operation_id="queue_status",
+        tags=["queue"],
+        summary="The queue's figures (queue_status --json)",
+        responses={200: QueueResponse, **schema.READ_ERRORS},
+    )
+    def get(self, request: Request) -> Response:
+        return Response(queue_status())
+
+
+class DeadJobsView(OpsView):
+    """Dead jobs, filtered by lane, kind and time of death, newest first."""
+
+    query_serializer = DeadJobsQuery
+
+    @extend_schema(
+        operation_id="list_dead_jobs",
+        tags=["jobs"],
+        summary="Dead jobs, newest first, with their last error",
+        parameters=[DeadJobsQuery],
+        responses={200: DeadJobsResponse, **schema.READ_ERRORS},
+    )
+    def get(self, request: Request) -> Response:
+        found = Job.objects.filter(state=State.DEAD)
+        if "lane" in self.query:
+            found = found.filter(lane=self.query["lane"])
+        if "kind" in self.query:
+            found = found.filter(kind=self.query["kind"])
+        if "since" in self.query:
+            found = found.filter(finished_at__gte=self.query["since"])
+        page = paginate(request, self.query, found.order_by("-pk"), "jobs", job_dict)
+        return Response(page)
+
+
+class JobView(OpsView):
+    """One job and the record of each attempt (``show_job --json``)."""
+
+    @extend_schema(
+        operation_id="get_job",
+        tags=["jobs"],
+        summary="One job with every attempt and its error",
+        parameters=[schema.id_parameter("job_id", "job")],
+        responses={200: JobDetailResponse, 404: schema.NOT_FOUND, **schema.READ_ERRORS},
+    )
+    def get(self, request: Request, job_id: int) -> Response:
+        return Response(job_detail_dict(engine.get_job(job_id)))
+
+
+class RequeueView(OpsView):
+    """``requeue_dead ID`` over HTTP."""
+
+    @extend_schema(
+        operation_id="requeue_job",
+        tags=["jobs"],
+        summary="Requeue a dead job (requeue_dead ID)",
+        description="Back to `queued`, runnable now, with a fresh attempt budget. Only a dead "
+        "job can be requeued: any other state is a 409.",
+        parameters=[schema.id_parameter("job_id", "job")],
+        request=None,
+        responses={200: JobResponse, 409: schema.CONFLICT, **schema.WRITE_ERRORS},
+    )
+    def post(self, request: Request, job_id: int) -> Response:
+        with transaction.atomic():
+            job = engine.requeue_one(job_id, actor=principal(request).name)
+        return Response(job_dict(job))
+
+
+class CancelView(OpsView):
+    """``cancel_job ID`` over HTTP."""
+
+    @extend_schema(
+        operation_id="cancel_job",
+        tags=["jobs"],
+        summary="Cancel a job (cancel_job ID)",
+        description="A queued job is cancelled at once (`state` is `cancelled`). A running job is "
+        "asked to stop (`cancel_requested` is true, `state` still `running`): its handler sees "
+        "the request within about 5 seconds and ends `cancelled` if it honours it. A finished "
+        "job is a 409.",
+        parameters=[schema.id_parameter("job_id", "job")],
+        request=None,
+        responses={200: JobResponse, 409: schema.CONFLICT, **schema.WRITE_ERRORS},
+    )
+    def post(self, request: Request, job_id: int) -> Response:
+        with transaction.atomic():
+            job = engine.cancel(job_id, actor=principal(request).name)
+        return Response(job_dict(job))
+
+
+class IssuesView(OpsView):
+    """Reconciliation issues, filtered by status, kind and source, newest first."""
+
+    query_serializer = IssuesQuery
+
+    @extend_schema(
+        operation_id="list_reconciliation_issues",
+        tags=["reconciliation"],
+        summary="Reconciliation issues, newest first",
+        parameters=[IssuesQuery],
+        responses={200: IssuesResponse, **schema.READ_ERRORS},
+    )
+    def get(self, request: Request) -> Response:
+        found = reconciliation.issues(
+            status=self.query.get("status"),
+            kind=self.query.get("kind"),
+            source=self.query.get("source"),
+        )
+        page = paginate(request, self.query, found, "issues", reconciliation.issue_dict)
+        return Response(page)
+
+
+class ResolveView(OpsView):
+    """Resolve one reconciliation issue, with a comment saying why."""
+
+    @extend_schema(
+        operation_id="resolve_reconciliation_issue",
+        tags=["reconciliation"],
+        summary="Resolve an issue, saying why",
+        description="`resolved_by` becomes the token's name. An issue resolves once: a second "
+        "resolve is a 409.",
+        parameters=[schema.id_parameter("issue_id", "issue")],
+        request=Resolve,
+        examples=[
+            OpenApiExample("resolve", value={"comment": "re-sent by the lab"}, request_only=True)
+        ],
+        responses={
+            200: IssueResponse,
+            409: schema.CONFLICT,
+            415: schema.UNSUPPORTED,
+            **schema.WRITE_ERRORS,
+        },
+    )
+    def post(self, request: Request, issue_id: int) -> Response:
+        body = Resolve(data=request.data)
+        body.is_valid(raise_exception=True)
+        with transaction.atomic():
+            issue = reconciliation.resolve(
+                issue_id, by=principal(request).name, comment=body.validated_data["comment"]
+            )
+        return Response(reconciliation.issue_dict(issue))
+
+
+class HealthView(OpsView):
+    """Up or down for anyone; details for a token holder."""
+
+    authentication_classes = [BearerTokenAuthentication]
+    permission_classes = [AllowAny]
+
+    @extend_schema(
+        operation_id="health",
+        tags=["health"],
+        summary="Liveness and readiness",
+        description="Without a token: only `status`. With a valid token (read or write): also "
+        "the database, worker heartbeats and the spool's backlog. A bad token is a 401 here too. "
+        'When the database is unreachable: 503 with only `{"status": "down"}`.',
+        responses={
+            200: HealthResponse,
+            400: schema.BAD_INPUT,
+            401: schema.UNAUTHENTICATED,
+            503: OpenApiResponse(HealthResponse, description="down: the database is unreachable"),
+        },
+    )
+    def get(self, request: Request) -> Response:
+        with connection.cursor() as cursor:  # raises if the database is unreachable
+            cursor.execute("SELECT 1")
+        if not isinstance(request.user, Principal):
+            return Response({"status": "ok"})
+        return Response(
+            {"status": "ok", "database": "ok", "workers": worker_health(), "spool": spool_health()}
+        )
+
+    def handle_exception(self, exc: Exception) -> Response:
+        # Also when the token could not be checked (that needs the database): down is all
+        # anyone learns then.
+        if isinstance(exc, DATABASE_DOWN):
+            log.warning("api_database_unavailable", error=f"{type(exc).__name__}: {exc}")
+            return Response({"status": "down"}, status=503)
+        return super().handle_exception(exc)
+
+
+def worker_health() -> dict[str, Any]:
+    """Workers not stopped, split by whether their heartbeat is recent (as queue_status)."""
+    stale_after = max(STALE_WORKER_FLOOR_SECONDS, float(settings.HOLDFAST_LEASE_SECONDS))
+    cutoff = engine.db_now() - timedelta(seconds=stale_after)
+    counts = Worker.objects.filter(stopped_at__isnull=True).aggregate(
+        live=Count("pk", filter=Q(heartbeat_at__gte=cutoff)),
+        stale=Count("pk", filter=Q(heartbeat_at__lt=cutoff)),
+    )
+    return {"live": counts["live"], "stale": counts["stale"], "stale_after_s": stale_after}
+
+
+def spool_health() -> dict[str, Any]:
+    """How many submissions wait in ``incoming/`` and the age of the oldest, in seconds."""
+    incoming = settings.HOLDFAST_SPOOL_DIR / "incoming"
+    oldest: float | None = None
+    pending = 0
+    try:
+        entries = list(os.scandir(incoming))
+    except (FileNotFoundError, NotADirectoryError):
+        entries = []
+    except OSError as exc:
+        return {"pending": None, "oldest_age_s": None, "error": f"cannot read the spool: {exc}"}
+    for entry in entries:
+        if not entry.name.endswith(".json"):
+            continue
+        try:
+            if not entry.is_file():
+                continue
+            mtime = entry.stat().st_mtime
+        except FileNotFoundError:  # the ingester took it meanwhile
+            continue
+        pending += 1
+        oldest = mtime if oldest is None else min(oldest, mtime)
+    age = None if oldest is None else round(max(0.0, time.time() - oldest), 3)
+    return {"pending": pending, "oldest_age_s": age}

@@ -1,0 +1,184 @@
+"""The scheduler's slot ledger (I5) with travelled time: the tick takes the time as input."""
+
+import json
+from datetime import UTC, datetime, timedelta
+from io import StringIO
+
+import pytest
+from django.core.management import CommandError, call_command
+from django.test import override_settings
+from django.utils import timezone
+
+from jobs import engine, refresh, scheduler, schedules
+from jobs.models import Job, Schedule, State
+from tests.testapp.models import Document
+
+from .helpers import claim_one, failure
+
+pytestmark = pytest.mark.django_db
+
+
+@pytest.fixture(autouse=True)
+def quiet_refresh(settings):
+    """The test app's refresher declares the built-in refresh schedule; keep it out of
+    these tests' ticks by making its interval longer than any travelled time."""
+    settings.HOLDFAST_REFRESH_SECONDS = 10**9
+
+
+NIGHTLY = {"kind": "test.echo", "cron": "0 3 * * *", "timezone": "Europe/Berlin"}
+SWEEP = {"kind": "test.noop", "every": 300, "args": {"dir": "incoming"}}
+
+
+def at(*args: int) -> datetime:
+    return datetime(*args, tzinfo=UTC)
+
+
+def schedule(name: str) -> Schedule:
+    return Schedule.objects.get(name=name)
+
+
+def jobs_of(name: str) -> list[Job]:
+    return list(Job.objects.filter(unique_key__startswith=f"schedule:{name}:").order_by("pk"))
+
+
+@override_settings(HOLDFAST_SCHEDULES={"nightly": NIGHTLY})
+def test_a_new_schedule_waits_for_its_next_slot_then_runs_exactly_once_per_slot():
+    scheduler.sync(now=at(2026, 11, 30, 10))
+    row = schedule("nightly")
+    assert row.next_due_at == at(2026, 12, 1, 2)  # 03:00 in Berlin (CET)
+    assert scheduler.tick(at(2026, 11, 30, 10)) == []  # no immediate run
+    assert scheduler.tick(at(2026, 12, 1, 1, 59)) == []
+    [job_id] = scheduler.tick(at(2026, 12, 1, 2, 0, 1))
+    job = Job.objects.get(pk=job_id)
+    assert (
+        job.kind == "test.echo" and job.unique_key == "schedule:nightly:2026-12-01T02:00:00+00:00"
+    )
+    assert scheduler.tick(at(2026, 12, 1, 2, 0, 2)) == []  # the same slot never again
+    row = schedule("nightly")
+    assert (row.last_slot_at, row.last_job_id) == (at(2026, 12, 1, 2), job_id)
+    assert row.next_due_at == at(2026, 12, 2, 2)
+
+
+@override_settings(HOLDFAST_SCHEDULES={"sweep": SWEEP})
+def test_interval_schedules_run_every_interval_on_a_fixed_grid():
+    scheduler.sync(now=at(2026, 11, 30, 10))
+    assert schedule("sweep").next_due_at == at(2026, 11, 30, 10, 5)
+    ran = [scheduler.tick(at(2026, 11, 30, 10, minute, 30)) for minute in range(0, 21)]
+    assert sum(len(ids) for ids in ran) == 4  # 10:05, 10:10, 10:15, 10:20
+    assert [job.args for job in jobs_of("sweep")] == [{"dir": "incoming"}] * 4
+
+
+@override_settings(HOLDFAST_SCHEDULES={"nightly": NIGHTLY})
+def test_restarting_the_scheduler_neither_duplicates_nor_runs_early():
+    scheduler.sync(now=at(2026, 11, 30, 10))
+    scheduler.tick(at(2026, 12, 1, 2, 0, 1))
+    for minutes in range(1, 30):  # a crash loop: sync and tick again and again
+        now = at(2026, 12, 1, 2) + timedelta(minutes=minutes)
+        scheduler.sync(now=now)
+        assert scheduler.tick(now) == []
+    assert len(jobs_of("nightly")) == 1
+    assert schedule("nightly").next_due_at == at(2026, 12, 2, 2)
+
+
+@pytest.mark.parametrize(("policy", "expected"), [("once", 1), ("skip", 0)])
+def test_three_days_down_collapse_into_one_run_or_none(policy, expected):
+    with override_settings(HOLDFAST_SCHEDULES={"nightly": {**NIGHTLY, "catch_up": policy}}):
+        scheduler.sync(now=at(2026, 11, 26, 10))
+        back = at(2026, 11, 30, 10, 30)  # missed the 27th, 28th, 29th and 30th
+        scheduler.sync(now=back)
+        assert len(scheduler.tick(back)) == expected
+        assert scheduler.tick(back) == []
+        assert schedule("nightly").next_due_at == at(2026, 12, 1, 2)
+        if expected:
+            assert jobs_of("nightly")[0].unique_key.endswith("2026-11-30T02:00:00+00:00")
+
+
+@override_settings(HOLDFAST_SCHEDULES={"nightly": NIGHTLY})
+def test_pruning_every_finished_job_does_not_make_a_slot_look_unrun():
+    scheduler.sync(now=at(2026, 11, 30, 10))
+    scheduler.tick(at(2026, 12, 1, 2, 0, 1))
+    engine.complete(claim_one())
+    Job.objects.filter(state=State.SUCCEEDED).update(
+        finished_at=timezone.now() - timedelta(days=30)
+    )
+    assert engine.prune(timedelta(days=14)) == 1
+    assert scheduler.tick(at(2026, 12, 1, 2, 0, 5)) == []
+    assert Job.objects.count() == 0
+
+
+@override_settings(HOLDFAST_SCHEDULES={"failing": {"kind": "test.fail", "every": 60}})
+def test_a_schedule_whose_job_fails_still_advances():
+    scheduler.sync(now=at(2026, 11, 30, 10))
+    scheduler.tick(at(2026, 11, 30, 10, 1))
+    for _ in range(3):
+        engine.fail(claim_one(), failure(), backoff_seconds=0)
+    assert jobs_of("failing")[0].state == State.DEAD
+    assert len(scheduler.tick(at(2026, 11, 30, 10, 2))) == 1
+    assert len(jobs_of("failing")) == 2
+
+
+@override_settings(HOLDFAST_SCHEDULES={"nightly": NIGHTLY, "sweep": SWEEP})
+def test_declarations_are_synced_changed_and_undeclared_never_deleted():
+    scheduler.sync(now=at(2026, 11, 30, 10))
+    with override_settings(HOLDFAST_SCHEDULES={"nightly": {**NIGHTLY, "cron": "0 4 * * *"}}):
+        scheduler.sync(now=at(2026, 11, 30, 11))
+    row = schedule("nightly")
+    assert row.cron == "0 4 * * *" and row.next_due_at == at(2026, 12, 1, 3)
+    sweep = schedule("sweep")
+    assert not sweep.declared  # kept with its history, no longer run
+    assert scheduler.tick(at(2026, 12, 5)) == [jobs_of("nightly")[0].pk]
+    assert jobs_of("sweep") == []
+
+
+@override_settings(HOLDFAST_SCHEDULES={"nightly": NIGHTLY})
+def test_pause_resume_and_run_now():
+    scheduler.sync(now=at(2026, 11, 30, 10))
+    scheduler.pause("nightly")
+    assert scheduler.tick(at(2026, 12, 3)) == []
+    row = scheduler.resume("nightly")
+    assert not row.paused and row.next_due_at > timezone.now()  # missed while paused: not run
+    before = row.next_due_at
+    job = scheduler.run_now("nightly")
+    assert scheduler.run_now("nightly").pk == job.pk  # one manual run at a time
+    assert schedule("nightly").next_due_at == before  # the next slot is not disturbed
+    with pytest.raises(scheduler.ScheduleNotFound):
+        scheduler.pause("nope")
+
+
+@override_settings(HOLDFAST_SCHEDULES={"nightly": NIGHTLY})
+def test_schedule_commands_and_overdue_status():
+    scheduler.sync(now=at(2026, 11, 30, 10))  # next due 2026-12-01, long past the DB clock
+    Schedule.objects.filter(name="nightly").update(next_due_at=timezone.now() - timedelta(hours=2))
+
+    def run_json(*args: str) -> dict:
+        out = StringIO()
+        call_command(*args, "--json", stdout=out)
+        return json.loads(out.getvalue())
+
+    listed = {item["name"]: item for item in run_json("list_schedules")["schedules"]}
+    assert listed["nightly"]["overdue"] and listed["nightly"]["status"] == "active"
+    overdue = run_json("queue_status")["schedules_overdue"]
+    assert [item["name"] for item in overdue] == ["nightly"]
+    assert run_json("pause_schedule", "nightly")["paused"] is True
+    assert run_json("resume_schedule", "nightly")["paused"] is False
+    assert run_json("run_schedule_now", "nightly")["kind"] == "test.echo"
+    with pytest.raises(CommandError) as raised:
+        call_command("pause_schedule", "nope", stdout=StringIO())
+    assert raised.value.returncode == 2
+
+
+def test_refreshers_enqueue_due_refreshes_in_bounded_batches(run_worker):
+    past = timezone.now() - timedelta(days=1)
+    Document.objects.bulk_create(
+        [Document(url=f"https://example.org/{i}", refresh_after=past) for i in range(250)]
+        + [Document(url="https://example.org/fresh", refresh_after=past + timedelta(days=60))]
+    )
+    assert "holdfast.refresh" in schedules.declared()
+    assert refresh.run_all() == {"test.documents": 100}
+    assert refresh.run_all() == {"test.documents": 100}  # same 100 still queued: no doubles
+    assert Job.objects.filter(kind="test.refresh_document").count() == 100
+    for _ in range(3):
+        engine.enqueue("holdfast.refresh")
+        run_worker()
+    assert Document.objects.filter(refreshed=1).count() == 250
+    assert Document.objects.get(url="https://example.org/fresh").refreshed == 0

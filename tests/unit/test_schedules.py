@@ -1,0 +1,62 @@
+"""Slot arithmetic: cron in a timezone across DST, interval grids, catch-up (no database)."""
+
+from datetime import UTC, datetime, timedelta
+from itertools import islice, pairwise
+
+import pytest
+from django.core.exceptions import ImproperlyConfigured
+
+from jobs.schedules import Declared, catch_up, next_slot, slots_after
+
+
+def utc(*args: int) -> datetime:
+    return datetime(*args, tzinfo=UTC)
+
+
+def test_daily_berlin_slot_keeps_local_time_across_both_dst_changes():
+    # 03:00 Europe/Berlin is 02:00 UTC in winter (CET) and 01:00 UTC in summer (CEST).
+    slots = list(islice(slots_after("0 3 * * *", None, "Europe/Berlin", utc(2026, 3, 27)), 3))
+    assert slots == [utc(2026, 3, 27, 2), utc(2026, 3, 28, 2), utc(2026, 3, 29, 1)]
+    slots = list(islice(slots_after("0 3 * * *", None, "Europe/Berlin", utc(2026, 10, 24)), 3))
+    assert slots == [utc(2026, 10, 24, 1), utc(2026, 10, 25, 2), utc(2026, 10, 26, 2)]
+
+
+def test_a_slot_in_the_spring_gap_runs_once_and_the_repeated_autumn_hour_runs_once():
+    spring = list(islice(slots_after("30 2 * * *", None, "Europe/Berlin", utc(2026, 3, 28)), 3))
+    assert sum(slot.date() == datetime(2026, 3, 29).date() for slot in spring) == 1
+    autumn = list(islice(slots_after("30 2 * * *", None, "Europe/Berlin", utc(2026, 10, 24)), 3))
+    assert sum(slot.date() == datetime(2026, 10, 25).date() for slot in autumn) == 1
+    assert all(b - a >= timedelta(hours=22) for a, b in pairwise(autumn))
+
+
+def test_next_slot_is_strictly_after_the_anchor():
+    assert next_slot("0 * * * *", None, "UTC", utc(2026, 1, 1, 5)) == utc(2026, 1, 1, 6)
+    assert next_slot("", 300, "UTC", utc(2026, 1, 1, 5)) == utc(2026, 1, 1, 5, 5)
+
+
+def test_catch_up_collapses_missed_slots_to_the_latest_and_keeps_the_grid():
+    due = utc(2026, 11, 27, 3)
+    now = utc(2026, 11, 30, 10, 30)  # three days of downtime
+    assert catch_up("0 3 * * *", None, "UTC", due, now) == (
+        utc(2026, 11, 30, 3),
+        utc(2026, 12, 1, 3),
+    )
+    latest, following = catch_up("", 600, "UTC", due, now)
+    assert latest <= now < following and following - latest == timedelta(minutes=10)
+    assert (latest - due).total_seconds() % 600 == 0  # same grid as before the downtime
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"cron": "61 * * * *"},
+        {"cron": "0 3 * * *", "every": 60},
+        {},
+        {"every": 0},
+        {"cron": "0 3 * * *", "timezone": "Mars/Olympus"},
+        {"cron": "0 3 * * *", "catch_up": "sometimes"},
+    ],
+)
+def test_bad_declarations_are_refused_with_the_schedule_named(options):
+    with pytest.raises(ImproperlyConfigured, match="nightly"):
+        Declared("nightly", "demo.greet", **options)
