@@ -76,7 +76,7 @@ def issue_dict(issue: ReconciliationIssue) -> dict[str, Any]:
     return {
         "id": issue.pk,
         "kind": issue.kind,
-        "source": issue.source,
+        "source": issue.source or None,
         "subject": issue.subject,
         "details": issue.details,
         "status": issue.status,

@@ -52,7 +52,7 @@ def queue_status() -> dict[str, Any]:
             "id": worker.pk,
             "host": worker.host,
             "pid": worker.pid,
-            "lanes": worker.lanes or "all",
+            "lanes": worker.lanes or None,  # None: every lane
             "current_job": worker.current_job,
             "heartbeat_at": timestamp(worker.heartbeat_at),
             "stale": (now - worker.heartbeat_at).total_seconds() > stale_after,

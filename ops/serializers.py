@@ -231,7 +231,7 @@ class DeadJobsResponse(PageResponse):
 class IssueResponse(serializers.Serializer):
     id = serializers.IntegerField()
     kind = serializers.ChoiceField(choices=IssueKind.values)
-    source = serializers.CharField(allow_blank=True)  # type: ignore[assignment]  # see IssuesQuery
+    source = serializers.CharField(allow_null=True)  # type: ignore[assignment]  # see IssuesQuery
     subject = serializers.CharField()
     details = serializers.DictField()
     status = serializers.ChoiceField(choices=IssueStatus.values)
@@ -270,7 +270,9 @@ class WorkerFigures(serializers.Serializer):
     id = serializers.CharField()
     host = serializers.CharField()
     pid = serializers.IntegerField()
-    lanes = serializers.JSONField(help_text='the lanes it serves (a list), or "all"')
+    lanes = serializers.ListField(
+        child=serializers.CharField(), allow_null=True, help_text="the lanes it serves; null: all"
+    )
     current_job = serializers.IntegerField(allow_null=True)
     heartbeat_at = serializers.DateTimeField()
     stale = serializers.BooleanField()

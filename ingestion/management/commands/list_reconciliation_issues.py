@@ -28,7 +28,7 @@ class Command(JobsCommand):
         self.stdout.write(f"{'id':>6}  {'status':<9} {'kind':<24} {'source':<16} subject")
         for row in rows:
             self.stdout.write(
-                f"{row['id']:>6}  {row['status']:<9} {row['kind']:<24} {row['source']:<16} "
+                f"{row['id']:>6}  {row['status']:<9} {row['kind']:<24} {row['source'] or '-':<16} "
                 f"{row['subject']}"
             )
             if row["status"] == "resolved":
