@@ -182,3 +182,18 @@ def test_refreshers_enqueue_due_refreshes_in_bounded_batches(run_worker):
         run_worker()
     assert Document.objects.filter(refreshed=1).count() == 250
     assert Document.objects.get(url="https://example.org/fresh").refreshed == 0
+
+
+@override_settings(HOLDFAST_SCHEDULES={"nightly": NIGHTLY})
+def test_slots_enqueue_at_local_time_across_the_spring_dst_change():
+    """03:00 Berlin is 02:00 UTC before the change on 29 March 2026, 01:00 UTC after it."""
+    scheduler.sync(now=at(2026, 3, 27, 12))
+    assert scheduler.tick(at(2026, 3, 28, 1, 59)) == []
+    assert len(scheduler.tick(at(2026, 3, 28, 2, 0, 1))) == 1
+    assert scheduler.tick(at(2026, 3, 29, 0, 59)) == []
+    assert len(scheduler.tick(at(2026, 3, 29, 1, 0, 1))) == 1  # one hour earlier in UTC
+    assert scheduler.tick(at(2026, 3, 29, 2, 0, 1)) == []  # not again at the old UTC hour
+    assert [job.unique_key[-25:] for job in jobs_of("nightly")] == [
+        "2026-03-28T02:00:00+00:00",
+        "2026-03-29T01:00:00+00:00",
+    ]
