@@ -12,7 +12,7 @@ import hashlib
 import json
 import os
 import socket
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
@@ -302,9 +302,17 @@ def job_log_context(job: Claimed, worker_id: str | None = None) -> dict[str, Any
     return context
 
 
-def claim(worker_id: str, lanes: Sequence[str] | None = None) -> Claimed | None:
-    """Claim the best runnable job under a fresh lease (I1): one atomic statement."""
-    job = sql.claim(worker_id, lanes)
+def claim(
+    worker_id: str, lanes: Sequence[str] | None = None, limits: Mapping[str, int] | None = None
+) -> Claimed | None:
+    """Claim the best runnable job under a fresh lease (I1): one atomic statement.
+
+    ``limits`` (lane → max_running, default: from ``HOLDFAST_LANES``) keeps limited lanes
+    within their running limit across all workers.
+    """
+    if limits is None:
+        limits = lane_config.running_limits(lanes)
+    job = sql.claim(worker_id, lanes, limits)
     _log_claimed(job, worker_id)
     return job
 
@@ -384,7 +392,11 @@ def settle(job: Claimed, verdict: Verdict) -> None:
 
 
 def settle_and_claim(
-    job: Claimed, verdict: Verdict | None, worker_id: str | None, lanes: Sequence[str] | None
+    job: Claimed,
+    verdict: Verdict | None,
+    worker_id: str | None,
+    lanes: Sequence[str] | None,
+    limits: Mapping[str, int] | None = None,
 ) -> Claimed | None:
     """Settle ``job`` and claim the worker's next job in the same commit.
 
@@ -392,7 +404,9 @@ def settle_and_claim(
     ``ctx.atomic(complete=True)``) or no worker id (the worker is stopping). A lost lease
     is logged, not raised: the worker carries on with the next job.
     """
-    settled, claimed = sql.settle_and_claim(job, verdict.how if verdict else None, worker_id, lanes)
+    settled, claimed = sql.settle_and_claim(
+        job, verdict.how if verdict else None, worker_id, lanes, limits
+    )
     if verdict is not None:
         _log_settled(job, verdict, settled)
     if worker_id is not None:

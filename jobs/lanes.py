@@ -6,6 +6,7 @@ The lane ``default`` always exists and accepts every kind unless configured othe
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
 from typing import Any
@@ -62,3 +63,12 @@ def resolve(kind: str, explicit: str | None, handler_lane: str | None) -> Lane:
     if not lane.accepts(kind):
         raise LaneRefused(f"lane {name!r} does not accept job kind {kind!r}")
     return lane
+
+
+def running_limits(served: Sequence[str] | None) -> dict[str, int]:
+    """``max_running`` of the served lanes (None: all lanes) that have one."""
+    return {
+        lane.name: int(lane.max_running)
+        for lane in lanes().values()
+        if lane.max_running is not None and (served is None or lane.name in served)
+    }

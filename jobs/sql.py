@@ -18,14 +18,17 @@ Everything else in the engine is ORM.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
 import psycopg
 from django.db import connection, transaction
+from django.db.models import Count
 from django.utils.dateparse import parse_datetime
+
+from .models import Job
 
 
 @dataclass(frozen=True)
@@ -146,6 +149,10 @@ SELECT (SELECT count(*) FROM settled), {_columns("claimed")}, lease.id
 FROM (SELECT 1) AS one LEFT JOIN claimed ON true LEFT JOIN lease ON true
 """
 
+# Serialize claims from lanes with a max_running, lane by lane in sorted order (so two
+# claimers never wait on each other crosswise); released when the transaction ends.
+PG_LOCK_LANE = "SELECT pg_advisory_xact_lock(hashtext('holdfast.lane:' || %s::text))"
+
 BULK_INSERT_CHUNK = 10_000
 
 # Bulk enqueue: the options are the same for every job, only the args differ, so one
@@ -223,9 +230,11 @@ def is_postgres() -> bool:
     return connection.vendor == "postgresql"
 
 
-def claim(worker_id: str, lanes: Sequence[str] | None) -> Claimed | None:
+def claim(
+    worker_id: str, lanes: Sequence[str] | None, limits: Mapping[str, int] | None = None
+) -> Claimed | None:
     """Take the best runnable job in ``lanes`` (all lanes when None) under a new lease."""
-    return settle_and_claim(None, None, worker_id, lanes)[1]
+    return settle_and_claim(None, None, worker_id, lanes, limits)[1]
 
 
 def settle(job: Claimed, how: Settlement) -> bool:
@@ -238,8 +247,14 @@ def settle_and_claim(
     how: Settlement | None,
     worker_id: str | None,
     lanes: Sequence[str] | None,
+    limits: Mapping[str, int] | None = None,
 ) -> tuple[bool, Claimed | None]:
     """Settle ``job`` (if given) and claim the next one (if ``worker_id``), in one commit.
+
+    ``limits`` maps the served lanes that have a ``max_running`` to it. Claiming from them
+    is serialized per lane (a transaction-scoped advisory lock on PostgreSQL; SQLite
+    serializes every writer) so that the running count read before the claim stays true
+    until the claim commits: the limit holds across all workers and hosts.
 
     Returns whether the settle matched (False: the lease was lost) and the claimed job.
     """
@@ -250,12 +265,40 @@ def settle_and_claim(
     params: dict[str, Any] = {}
     if job is not None and how is not None:
         params.update(_settle_params(job, how))
+    if not (claim and limits):
+        return _settle_and_claim(params, settle, worker_id, lanes, excluded=())
+    with transaction.atomic():
+        if is_postgres():
+            with connection.cursor() as cursor:
+                for lane in sorted(limits):
+                    cursor.execute(PG_LOCK_LANE, [lane])
+        return _settle_and_claim(params, settle, worker_id, lanes, excluded=_full(limits))
+
+
+def _full(limits: Mapping[str, int]) -> list[str]:
+    """The limited lanes whose running jobs have reached their ``max_running``."""
+    running = (
+        Job.objects.filter(state="running", lane__in=list(limits))
+        .values_list("lane")
+        .annotate(n=Count("id"))
+        .order_by()
+    )
+    return sorted(lane for lane, n in running if n >= limits[lane])
+
+
+def _settle_and_claim(
+    params: dict[str, Any],
+    settle: bool,
+    worker_id: str | None,
+    lanes: Sequence[str] | None,
+    excluded: Sequence[str],
+) -> tuple[bool, Claimed | None]:
     lane_filter = ""
     if worker_id is not None:
         params["worker"] = worker_id
-        lane_filter = _lane_filter(lanes, params)
+        lane_filter = _lane_filter(lanes, excluded, params)
     run = _pg_settle_and_claim if is_postgres() else _sqlite_settle_and_claim
-    return run(params, lane_filter, settle=settle, claim=claim)
+    return run(params, lane_filter, settle=settle, claim=worker_id is not None)
 
 
 def _pg_settle_and_claim(
@@ -336,15 +379,26 @@ def insert_jobs(
         return cursor.fetchall()
 
 
-def _lane_filter(lanes: Sequence[str] | None, params: dict[str, Any]) -> str:
-    if lanes is None:
-        return ""
+def _lane_filter(
+    lanes: Sequence[str] | None, excluded: Sequence[str], params: dict[str, Any]
+) -> str:
+    """The claim's lane condition: only ``lanes`` (None: any), never ``excluded``."""
+    clauses = []
     if is_postgres():
-        params["lanes"] = list(lanes)
-        return "AND lane = ANY(%(lanes)s::text[])"
-    names = [f"lane{i}" for i in range(len(lanes))]
-    params.update(zip(names, lanes, strict=True))
-    return f"AND lane IN ({', '.join(f'%({name})s' for name in names)})"
+        if lanes is not None:
+            params["lanes"] = list(lanes)
+            clauses.append("AND lane = ANY(%(lanes)s::text[])")
+        if excluded:
+            params["excluded"] = list(excluded)
+            clauses.append("AND lane <> ALL(%(excluded)s::text[])")
+        return " ".join(clauses)
+    for operator, prefix, names in (("IN", "lane", lanes), ("NOT IN", "excluded", excluded)):
+        if names is None or (operator == "NOT IN" and not names):
+            continue
+        keys = [f"{prefix}{i}" for i in range(len(names))]
+        params.update(zip(keys, names, strict=True))
+        clauses.append(f"AND lane {operator} ({', '.join(f'%({key})s' for key in keys)})")
+    return " ".join(clauses)
 
 
 def _settle_params(job: Claimed, how: Settlement) -> dict[str, Any]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from django.conf import settings
@@ -12,6 +14,29 @@ from .models import Job, State, Worker
 from .serialization import timestamp
 
 STALE_WORKER_FLOOR_SECONDS = 30.0
+
+
+@dataclass(frozen=True)
+class Section:
+    """Figures another app adds to ``queue_status`` under ``name`` (e.g. the spool's)."""
+
+    name: str
+    figures: Callable[[], Any]
+    render: Callable[[Any], list[str]] | None = None  # lines for the human output
+
+
+#: Registered by other apps in ``AppConfig.ready()``; ``jobs`` imports none of them.
+SECTIONS: dict[str, Section] = {}
+
+
+def register_section(
+    name: str,
+    figures: Callable[[], Any],
+    render: Callable[[Any], list[str]] | None = None,
+) -> None:
+    """Add ``figures()`` to every ``queue_status`` (and the API's ``queue/``) as ``name``;
+    ``render`` turns them into lines for the human ``queue_status`` output."""
+    SECTIONS[name] = Section(name, figures, render)
 
 
 def queue_status() -> dict[str, Any]:
@@ -68,4 +93,18 @@ def queue_status() -> dict[str, Any]:
         "workers": workers,
         "schedules_overdue": scheduler.overdue(now),
         "delayed": Job.objects.filter(Q(state=State.QUEUED) & Q(run_at__gt=now)).count(),
+        **{name: section.figures() for name, section in SECTIONS.items()},
     }
+
+
+def render_sections(status: dict[str, Any]) -> list[str]:
+    """The registered sections of ``status`` as lines for the human output."""
+    lines: list[str] = []
+    for name, section in SECTIONS.items():
+        if name not in status:
+            continue
+        if section.render is not None:
+            lines += section.render(status[name])
+        else:
+            lines.append(f"{name}: {status[name]}")
+    return lines

@@ -38,6 +38,7 @@ from django.db import (
 )
 
 from . import engine
+from . import lanes as lane_config
 from .context import JobContext
 from .exceptions import Cancelled, LeaseLost, PermanentError, UnknownKind
 from .log import bound_context, get_logger
@@ -69,6 +70,7 @@ class WorkerProcess:
     ) -> None:
         self.worker_id = worker_id or engine.default_worker_id()
         self.lanes = list(lanes) if lanes else None
+        self.limits = lane_config.running_limits(self.lanes)  # lane -> max_running
         self.burst = burst
         self.with_scheduler = with_scheduler
         self.poll_seconds = float(
@@ -148,7 +150,8 @@ class WorkerProcess:
             return None
         try:
             return self._with_db_retry(
-                lambda: engine.claim(self.worker_id, self.lanes), give_up=lambda: self.stopping
+                lambda: engine.claim(self.worker_id, self.lanes, self.limits),
+                give_up=lambda: self.stopping,
             )
         except GaveUp:
             return None
@@ -227,7 +230,11 @@ class WorkerProcess:
         def write(verdict: engine.Verdict | None) -> Claimed | None:
             return self._with_db_retry(
                 lambda: engine.settle_and_claim(
-                    job, verdict, None if self.stopping else self.worker_id, self.lanes
+                    job,
+                    verdict,
+                    None if self.stopping else self.worker_id,
+                    self.lanes,
+                    self.limits,
                 )
             )
 

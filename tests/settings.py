@@ -28,3 +28,7 @@ TASKS = {
         "OPTIONS": {"max_attempts": 1, "lease_seconds": 30},
     },
 }
+
+# ...and lanes (e.g. a max_running limit shared by several worker processes).
+if os.environ.get("HOLDFAST_TEST_LANES"):
+    HOLDFAST_LANES = json.loads(os.environ["HOLDFAST_TEST_LANES"])

@@ -2,7 +2,7 @@ from typing import Any
 
 from jobs.management.base import JobsCommand
 from jobs.models import State
-from jobs.status import queue_status
+from jobs.status import queue_status, render_sections
 
 
 class Command(JobsCommand):
@@ -36,3 +36,5 @@ class Command(JobsCommand):
         for worker in status["workers"]:
             flag = "  STALE (no heartbeat)" if worker["stale"] else ""
             write(f"  {worker['id']} heartbeat {worker['heartbeat_at']}{flag}")
+        for line in render_sections(status):
+            write(line)
