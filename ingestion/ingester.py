@@ -7,9 +7,11 @@
           └──────────── outcomes (applied, quarantined, retry, gone) ◄──┘
 
 * The **monitor** scans ``incoming/``, hands each new name to the readers once, and
-  watches: the writer's exit code (a crashed writer stops the run, exit 1) and the stuck
+  watches: the writer's exit code (a crashed writer stops the run, exit 1), the stuck
   rule (work pending, nothing applied or quarantined for ``stuck_after`` seconds: the
-  children are killed, every file stays, exit 1). It never touches the database.
+  children are killed, every file stays, exit 1) and the grace rule (a file waiting
+  longer than ``grace`` seconds: the same, so an operator is alerted rather than data
+  silently aging). It never touches the database.
 * **Readers** read, hash, parse and validate files and store log excerpts in the blob
   store (:func:`ingestion.spool.read_entry`); no database.
 * The **writer** is :class:`ingestion.spool.Writer`: batches flushed by size and by time,
@@ -41,10 +43,12 @@ from jobs.log import get_logger
 
 from .spool import (
     APPLIED,
+    DEFAULT_GRACE_SECONDS,
     DUPLICATE,
     QUARANTINED,
     READ_RETRY_SECONDS,
     TERMINAL,
+    Overdue,
     Spool,
     Stuck,
     Writer,
@@ -70,6 +74,7 @@ class Options:
     max_files: int = 500
     max_facts: int = 20_000
     flush_seconds: float = 0.25
+    grace: float = DEFAULT_GRACE_SECONDS  # 0: no grace check
 
 
 class Shared:
@@ -187,8 +192,9 @@ class _Stop:
 
 
 def run(spool: Spool, options: Options, limits: Limits | None = None) -> dict[str, Any]:
-    """Run the parallel ingester; return the final figures. Raises :class:`Stuck` (and
-    RuntimeError when a child process dies) with every unfinished file left in place."""
+    """Run the parallel ingester; return the final figures. Raises :class:`Stuck`,
+    :class:`Overdue` (and RuntimeError when a child process dies) with every unfinished
+    file left in place."""
     limits = limits or Limits.from_settings()
     spool.ensure()
     ctx = multiprocessing.get_context("fork")
@@ -273,6 +279,9 @@ def run(spool: Spool, options: Options, limits: Limits | None = None) -> dict[st
 
             now = time.monotonic()
             pending = spool.pending()
+            overdue = spool.overdue(pending, options.grace)
+            if overdue:
+                raise Overdue(overdue)
             for name in pending:
                 if name in in_flight or retry_at.get(name, 0.0) > now:
                     continue

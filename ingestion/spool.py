@@ -74,6 +74,19 @@ class Stuck(Exception):
     """Work is pending and nothing reached a terminal state for ``stuck_after`` seconds."""
 
 
+class Overdue(Exception):
+    """A file has waited in ``incoming/`` longer than the grace period: an operator must look."""
+
+
+#: How long a file may wait in ``incoming/`` before the ingester alerts and stops.
+DEFAULT_GRACE_SECONDS = 3600.0
+
+
+def grace_seconds() -> float:
+    """``HOLDFAST_SPOOL_GRACE_SECONDS`` (default 3600); 0 turns the grace check off."""
+    return float(getattr(settings, "HOLDFAST_SPOOL_GRACE_SECONDS", DEFAULT_GRACE_SECONDS))
+
+
 # --- the spool's directories ----------------------------------------------------------
 
 
@@ -116,6 +129,59 @@ class Spool:
         except FileNotFoundError:
             return []
         return [name for _, name in sorted(found)]
+
+    def age(self, name: str) -> float | None:
+        """Seconds since ``incoming/<name>`` was last modified (None if it is gone)."""
+        try:
+            mtime = (self.incoming / name).stat().st_mtime
+        except FileNotFoundError:
+            return None
+        return max(0.0, time.time() - mtime)
+
+    def backlog(self, grace: float | None = None) -> dict[str, Any]:
+        """What waits in ``incoming/``: count, the oldest file and its age, and whether it
+        is past the grace period (``queue_status``'s ``spool`` section)."""
+        grace = grace_seconds() if grace is None else grace
+        try:
+            pending = self.pending()
+        except OSError as exc:
+            return {
+                "pending": None,
+                "oldest_file": None,
+                "oldest_age_s": None,
+                "grace_s": grace,
+                "stale": None,
+                "error": f"cannot read the spool: {exc}",
+            }
+        oldest = next(((n, a) for n in pending if (a := self.age(n)) is not None), None)
+        age = round(oldest[1], 3) if oldest else None
+        return {
+            "pending": len(pending),
+            "oldest_file": oldest[0] if oldest else None,
+            "oldest_age_s": age,
+            "grace_s": grace,
+            "stale": bool(grace) and age is not None and age > grace,
+        }
+
+    def overdue(self, pending: list[str], grace: float) -> str | None:
+        """The grace rule: the one-line reason when the oldest of ``pending`` (oldest first,
+        as :meth:`pending` lists them) has waited longer than ``grace`` seconds; else None.
+        A grace of 0 turns the check off."""
+        if grace <= 0:
+            return None
+        for name in pending:
+            age = self.age(name)
+            if age is None:
+                continue  # taken meanwhile: the next one is the oldest
+            if age <= grace:
+                return None
+            log.error("spool_overdue", file=name, age_s=round(age, 1), grace_s=grace)
+            return (
+                f"overdue: incoming/{name} has waited {age:.0f} s, longer than the grace "
+                f"period of {grace:g} s; it and every other file left in place (investigate, "
+                "then run with a larger --grace, or --grace 0, to drain)"
+            )
+        return None
 
 
 # --- reading (no database) ------------------------------------------------------------
@@ -536,13 +602,16 @@ def drain(
     writer: Writer | None = None,
     should_stop: Callable[[], bool] | None = None,
     poll_seconds: float = 0.05,
+    grace: float | None = None,
 ) -> Progress:
     """Apply or quarantine everything in ``incoming/`` in this process, then return.
 
     Raises :class:`Stuck` (files untouched) when nothing reaches a terminal state for
-    ``stuck_after`` seconds while work is pending.
+    ``stuck_after`` seconds while work is pending, and :class:`Overdue` (files untouched)
+    when a file has waited longer than ``grace`` seconds (default: the setting).
     """
     limits = limits or Limits.from_settings()
+    grace = grace_seconds() if grace is None else grace
     spool.ensure()
     progress = Progress()
     writer = writer or Writer(spool)
@@ -555,6 +624,9 @@ def drain(
             return progress
         now = time.monotonic()
         names = spool.pending()
+        overdue = spool.overdue(names, grace)
+        if overdue:
+            raise Overdue(overdue)
         buffered = writer.names()
         for name in names:
             if writer.full:

@@ -278,6 +278,19 @@ class WorkerFigures(serializers.Serializer):
     stale = serializers.BooleanField()
 
 
+class SpoolBacklog(serializers.Serializer):
+    pending = serializers.IntegerField(
+        allow_null=True, help_text="submissions waiting in incoming/; null if unreadable"
+    )
+    oldest_file = serializers.CharField(allow_null=True, help_text="null if none waits")
+    oldest_age_s = serializers.FloatField(allow_null=True, help_text="null if none waits")
+    grace_s = serializers.FloatField(help_text="HOLDFAST_SPOOL_GRACE_SECONDS; 0: check off")
+    stale = serializers.BooleanField(
+        allow_null=True, help_text="the oldest file is past the grace period (ingester stops)"
+    )
+    error = serializers.CharField(required=False, help_text="why the spool could not be read")
+
+
 class QueueResponse(serializers.Serializer):
     now = serializers.DateTimeField(help_text="the database clock")
     totals = serializers.DictField(child=serializers.IntegerField(), help_text="jobs per state")
@@ -287,6 +300,7 @@ class QueueResponse(serializers.Serializer):
     workers = WorkerFigures(many=True)
     schedules_overdue = serializers.ListField(child=serializers.JSONField())
     delayed = serializers.IntegerField(help_text="queued jobs whose run_at is in the future")
+    spool = SpoolBacklog(help_text="the spool's backlog (docs/ingestion.md)")
 
 
 class HealthWorkers(serializers.Serializer):
@@ -303,6 +317,10 @@ class HealthSpool(serializers.Serializer):
         allow_null=True, help_text="age of the oldest waiting file, in seconds; null if none"
     )
     error = serializers.CharField(required=False, help_text="why the spool could not be read")
+    stale = serializers.BooleanField(
+        required=False, help_text="only when true: the oldest file is past the grace period"
+    )
+    grace_s = serializers.FloatField(required=False, help_text="with stale: the grace period")
 
 
 class HealthResponse(serializers.Serializer):

@@ -28,6 +28,7 @@ from rest_framework.utils.urls import replace_query_param
 from rest_framework.views import APIView
 
 from ingestion import reconciliation
+from ingestion.spool import grace_seconds
 from jobs import engine
 from jobs.log import get_logger
 from jobs.models import Job, State, Worker
@@ -318,7 +319,8 @@ def worker_health() -> dict[str, Any]:
 
 
 def spool_health() -> dict[str, Any]:
-    """How many submissions wait in ``incoming/`` and the age of the oldest, in seconds."""
+    """How many submissions wait in ``incoming/`` and the age of the oldest, in seconds;
+    ``stale`` and ``grace_s`` only when the oldest is past the grace period."""
     incoming = settings.HOLDFAST_SPOOL_DIR / "incoming"
     oldest: float | None = None
     pending = 0
@@ -340,4 +342,7 @@ def spool_health() -> dict[str, Any]:
         pending += 1
         oldest = mtime if oldest is None else min(oldest, mtime)
     age = None if oldest is None else round(max(0.0, time.time() - oldest), 3)
+    grace = grace_seconds()
+    if grace and age is not None and age > grace:  # the ingester stops on it: alert
+        return {"pending": pending, "oldest_age_s": age, "stale": True, "grace_s": grace}
     return {"pending": pending, "oldest_age_s": age}

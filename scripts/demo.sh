@@ -58,8 +58,40 @@ step "6. One dead job in detail (manage.py show_job $dead_id)" \
     "Every attempt is a lease row: worker, times, outcome, error and traceback."
 "$PY" manage.py show_job "$dead_id"
 
+SPOOL="${HOLDFAST_SPOOL_DIR:-${HOLDFAST_VAR_DIR:-var}/spool}"
+mkdir -p "$SPOOL/incoming"
+step "7. Labs submit results: sample files into the spool ($SPOOL/incoming)" \
+    "demo/submissions/: two labs, a newer fact for the same run, and one broken file." \
+    "Producers write a dot-file, then rename it, so the ingester never reads half a file."
+for sample in demo/submissions/*.json; do
+    name=$(basename "$sample")
+    cp "$sample" "$SPOOL/incoming/.$name.partial"
+    mv "$SPOOL/incoming/.$name.partial" "$SPOOL/incoming/$name"
+    echo "   dropped $name"
+done
+
+step "8. Apply them (manage.py ingest_submissions --once)" \
+    "Valid submissions apply exactly once (facts + ack row in one transaction, then the" \
+    "file is deleted); the broken one moves to failed/ with a reason."
+"$PY" manage.py ingest_submissions --once
+"$PY" manage.py shell -v0 -c '
+from ingestion.models import Fact
+for fact in Fact.objects.select_related("lab").order_by("lab__name", "entity", "key"):
+    print(f"   {fact.lab.name:<13} {fact.entity:<7} {fact.key:<7} {fact.attributes}")
+'
+echo "   (run-42 shows the newer submission's status, whatever the order the files arrived in)"
+
+step "9. The quarantined submission (manage.py list_reconciliation_issues)" \
+    "Its reason sits beside it in failed/; fix it and move it back to incoming/ to retry."
+"$PY" manage.py list_reconciliation_issues --kind quarantined_submission
+for reason in "$SPOOL"/failed/*.reason.json; do
+    echo "   $reason:"
+    sed 's/^/     /' "$reason"
+done
+
 echo
 echo "== Done =="
 echo "   Try next:  .venv/bin/python manage.py requeue_dead $dead_id"
 echo "              .venv/bin/python manage.py runworker --burst"
+echo "              .venv/bin/python manage.py queue_status   # includes the spool's backlog"
 echo "   Start over: rm -rf var && scripts/demo.sh"

@@ -5,7 +5,10 @@ place on database errors. The multi-process command is in tests/process/test_spo
 from __future__ import annotations
 
 import hashlib
+import io
 import json
+import os
+import time
 from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
@@ -16,7 +19,7 @@ from django.db import OperationalError
 
 from ingestion import blobs, spool
 from ingestion.models import Fact, IngestedSubmission, Lab, ReconciliationIssue
-from ingestion.spool import Spool, Stuck, Writer, apply_batch, drain, read_entry
+from ingestion.spool import Overdue, Spool, Stuck, Writer, apply_batch, drain, read_entry
 from ingestion.submissions import MIB, Limits
 from jobs.engine import enqueue
 from jobs.models import Job, State
@@ -500,6 +503,110 @@ def test_an_excerpt_of_exactly_the_limit_is_accepted(
     progress = drain(the_spool, stuck_after=10)
     assert progress.applied == 1
     assert len(blobs.read(IngestedSubmission.objects.get().log_excerpt)) == MIB
+
+
+# --- the grace period ----------------------------------------------------------------
+
+
+def age(path: Path, seconds: float) -> None:
+    past = time.time() - seconds
+    os.utime(path, (past, past))
+
+
+def test_a_file_older_than_the_grace_period_alerts_and_stays(
+    db: None, the_spool: Spool, drop: Drop, settings: Any
+) -> None:
+    settings.HOLDFAST_SPOOL_GRACE_SECONDS = 600
+    age(drop("old.json", submission()), 900)
+    drop("new.json", submission(lab="lab-2"))
+    with pytest.raises(
+        Overdue, match=r"incoming/old\.json has waited 9\d\d s.*grace period of 600 s"
+    ):
+        drain(the_spool, stuck_after=5)
+    assert incoming(the_spool) == ["new.json", "old.json"] and failed(the_spool) == []
+    assert not IngestedSubmission.objects.exists() and not Fact.objects.exists()
+
+    assert drain(the_spool, stuck_after=5, grace=0).applied == 2, "grace 0: the check is off"
+    assert incoming(the_spool) == []
+
+
+def test_a_file_within_the_grace_period_applies(db: None, the_spool: Spool, drop: Drop) -> None:
+    age(drop("a.json", submission()), 500)
+    assert drain(the_spool, stuck_after=5, grace=600).applied == 1
+
+
+def test_the_backlog_reports_the_oldest_file_and_whether_it_is_past_grace(
+    the_spool: Spool, drop: Drop
+) -> None:
+    empty = the_spool.backlog(grace=600)
+    assert empty == {
+        "pending": 0,
+        "oldest_file": None,
+        "oldest_age_s": None,
+        "grace_s": 600,
+        "stale": False,
+    }
+    age(drop("a.json", submission()), 100)
+    age(drop("b.json", submission(lab="x")), 700)
+    (the_spool.incoming / ".c.json.partial").write_text("{}")
+    backlog = the_spool.backlog(grace=600)
+    assert (backlog["pending"], backlog["oldest_file"], backlog["stale"]) == (2, "b.json", True)
+    assert 699 <= backlog["oldest_age_s"] <= 720
+    assert the_spool.backlog(grace=800)["stale"] is False
+    assert the_spool.backlog(grace=0)["stale"] is False, "0: the check is off"
+
+
+def test_queue_status_shows_the_spool_section(db: None, tmp_path: Path, settings: Any) -> None:
+    from django.core.management import call_command
+
+    settings.HOLDFAST_SPOOL_DIR = tmp_path / "spool"
+    settings.HOLDFAST_SPOOL_GRACE_SECONDS = 60
+    root = Spool.from_settings()
+    root.ensure()
+    (root.incoming / "late.json").write_text("{}")
+    age(root.incoming / "late.json", 120)
+
+    out = io.StringIO()
+    call_command("queue_status", "--json", stdout=out)
+    section = json.loads(out.getvalue())["spool"]
+    assert (section["pending"], section["oldest_file"], section["grace_s"]) == (1, "late.json", 60)
+    assert section["stale"] is True
+
+    out = io.StringIO()
+    call_command("queue_status", stdout=out)
+    line = [ln for ln in out.getvalue().splitlines() if ln.startswith("spool:")]
+    assert len(line) == 1 and "1 pending, oldest late.json waiting 12" in line[0]
+    assert "(grace 60s)  OVERDUE" in line[0]
+
+
+def test_health_flags_a_spool_past_its_grace_period(
+    db: None, tmp_path: Path, settings: Any
+) -> None:
+    from django.test import Client
+
+    from ops import tokens
+
+    settings.HOLDFAST_SPOOL_DIR = tmp_path / "spool"
+    settings.HOLDFAST_SPOOL_GRACE_SECONDS = 60
+    incoming_dir = tmp_path / "spool" / "incoming"
+    incoming_dir.mkdir(parents=True)
+    (incoming_dir / "a.json").write_text("{}")
+    _, secret = tokens.create("reader", "read")
+    headers = {"Authorization": f"Bearer {secret}"}
+
+    def health() -> dict[str, Any]:
+        response = Client().get("/internal/v1/health/", headers=headers)
+        assert response.status_code == 200
+        return dict(response.json()["spool"])
+
+    assert set(health()) == {"pending", "oldest_age_s"}, "within the grace period: as before"
+    age(incoming_dir / "a.json", 120)
+    spool_health = health()
+    assert (spool_health["pending"], spool_health["stale"], spool_health["grace_s"]) == (
+        1,
+        True,
+        60,
+    )
 
 
 # --- through the job engine -----------------------------------------------------------

@@ -138,6 +138,26 @@ def facts_table_locked() -> Iterator[None]:
         holder.close()
 
 
+def test_a_file_older_than_the_grace_period_alerts_and_exits_1_leaving_it(
+    workers: WorkerPool, spool: Path
+) -> None:
+    before = fill(spool, 2)
+    old = spool / "incoming" / "s0.json"
+    past = old.stat().st_mtime - 7200
+    os.utime(old, (past, past))
+    result = ingest(workers, spool, "--grace", "3600")
+    one_line_failure(result, "overdue", "incoming/s0.json", "grace period of 3600 s")
+    alerts = [e for e in parse_events(result.stderr) if e["event"] == "spool_overdue"]
+    assert [(e["file"], e["grace_s"]) for e in alerts] == [("s0.json", 3600.0)]
+    assert 7100 < alerts[0]["age_s"] < 7300
+    assert_nothing_happened(spool, before)  # the old file and the others all stay
+
+    # An operator who has looked drains it with a larger grace (or --grace 0).
+    result = ingest(workers, spool, "--grace", "0")
+    assert result.returncode == 0, result.describe()
+    assert_applied_once(spool, good=2)
+
+
 def test_a_blocked_database_leaves_every_file_and_exits_1_after_the_stuck_timeout(
     workers: WorkerPool, spool: Path
 ) -> None:

@@ -3,7 +3,7 @@ from typing import Any
 from django.core.management.base import CommandParser
 
 from ingestion import ingester
-from ingestion.spool import Spool, Stuck
+from ingestion.spool import Overdue, Spool, Stuck, grace_seconds
 from jobs.management.base import JobsCommand, bad_input, failed
 
 
@@ -30,12 +30,23 @@ class Command(JobsCommand):
             help="exit 1 when work is pending and nothing was applied or quarantined for "
             "this many seconds (default 60)",
         )
+        parser.add_argument(
+            "--grace",
+            type=float,
+            default=None,
+            help="exit 1, leaving the file in place, when a file has waited in incoming/ "
+            "longer than this many seconds (default HOLDFAST_SPOOL_GRACE_SECONDS, 3600; "
+            "0 turns the check off)",
+        )
 
     def handle(self, *args: Any, **options: Any) -> None:
         if options["workers"] < 1:
             raise bad_input("--workers must be at least 1")
         if options["stuck_after"] <= 0:
             raise bad_input("--stuck-after must be positive")
+        grace = grace_seconds() if options["grace"] is None else options["grace"]
+        if grace < 0:
+            raise bad_input("--grace must be 0 (off) or positive")
         spool = Spool.from_settings(options["spool"])
         try:
             result = ingester.run(
@@ -44,9 +55,10 @@ class Command(JobsCommand):
                     workers=options["workers"],
                     once=options["once"],
                     stuck_after=options["stuck_after"],
+                    grace=grace,
                 ),
             )
-        except Stuck as exc:
+        except (Stuck, Overdue) as exc:
             raise failed(str(exc)) from None
         except RuntimeError as exc:
             raise failed(str(exc)) from None
