@@ -65,16 +65,20 @@ class JobContext:
             raise RuntimeError(f"job {self.job_id} already completed in an earlier ctx.atomic()")
         try:
             with transaction.atomic():
-                engine.fence(self.job_id, self.lease_token)
+                engine.fence(self.job_id, self.lease_token, self.job.lease_seconds)
                 yield
                 if complete:
                     engine.complete(self.job, result)
+                    # Only once it commits: inside a handler's own outer transaction that
+                    # later rolls back, the job is not complete and the worker settles it.
+                    transaction.on_commit(lambda: self._mark_completed(result))
         except LeaseLost:
             self.mark_lease_lost()
             raise
-        if complete:
-            self.completed = True
-            self.result = result
+
+    def _mark_completed(self, result: Any) -> None:
+        self.completed = True
+        self.result = result
 
     def heartbeat(self) -> None:
         """Renew the lease now (the worker also does this in the background)."""

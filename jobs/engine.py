@@ -14,7 +14,7 @@ import os
 import socket
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from django.db import IntegrityError, connection, transaction
@@ -43,6 +43,9 @@ NOTIFY_CHANNEL = "holdfast_jobs"
 MAX_ERROR_MESSAGE = 10_000
 MAX_TRACEBACK = 50_000
 ARGS_ENCODER = json.JSONEncoder(allow_nan=False)  # strict JSON: no NaN or Infinity
+MAX_ATTEMPTS_LIMIT = 1_000_000
+MAX_DELAY = timedelta(days=365 * 100)
+UNIQUE_KEY_LENGTH = 255
 
 
 # --- enqueue ---------------------------------------------------------------------------
@@ -106,6 +109,8 @@ def enqueue_many(
     spec = get_handler(kind)
     args_list = list(args_list)
     args_json = [_args_json(args) for args in args_list]
+    if unique_key is not None and not 0 < len(unique_key) <= UNIQUE_KEY_LENGTH:
+        raise InvalidJob(f"unique_key must be 1 to {UNIQUE_KEY_LENGTH} characters long")
     if unique_key is not None and len(args_list) > 1:
         raise InvalidJob("unique_key names one job; it cannot be shared by enqueue_many")
     chosen = lane_config.resolve(kind, lane, spec.lane)
@@ -221,16 +226,45 @@ def _args_json(args: Any) -> str:
     if not isinstance(args, dict):
         raise InvalidJob(f"job args must be a JSON object, not {type(args).__name__}")
     try:
-        return ARGS_ENCODER.encode(args)
+        text = ARGS_ENCODER.encode(args)
     except (TypeError, ValueError) as exc:
         raise InvalidJob(f"job args are not JSON-serializable: {exc}") from None
+    if ("\\u0000" in text or "\\ud" in text) and (problem := _unstorable(args)):
+        raise InvalidJob(f"job args {problem}")
+    return text
+
+
+def _unstorable(value: Any) -> str | None:
+    """Why a JSON value cannot be stored on every database (NUL, lone surrogates), or None."""
+    if isinstance(value, str):
+        if "\x00" in value:
+            return "contain a NUL character"
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return "contain an unpaired surrogate (not valid Unicode)"
+        return None
+    items = (
+        value.items()
+        if isinstance(value, dict)
+        else enumerate(value)
+        if isinstance(value, list)
+        else ()
+    )
+    for key, item in items:
+        problem = _unstorable(key) if isinstance(key, str) else None
+        if problem := problem or _unstorable(item):
+            return problem
+    return None
 
 
 def _validated_max_attempts(max_attempts: int | None, spec: HandlerSpec) -> int:
     if max_attempts is None:
         return spec.max_attempts
-    if not isinstance(max_attempts, int) or max_attempts < 1:
-        raise InvalidJob(f"max_attempts must be a positive integer, not {max_attempts!r}")
+    if not isinstance(max_attempts, int) or not 1 <= max_attempts <= MAX_ATTEMPTS_LIMIT:
+        raise InvalidJob(
+            f"max_attempts must be an integer from 1 to {MAX_ATTEMPTS_LIMIT}, not {max_attempts!r}"
+        )
     return max_attempts
 
 
@@ -257,12 +291,18 @@ def _run_at_expression(delay: float | timedelta | None, run_at: datetime | None)
     if run_at is not None:
         if timezone.is_naive(run_at):
             raise InvalidJob("run_at must be timezone-aware")
+        try:
+            run_at.astimezone(UTC)
+        except OverflowError:
+            raise InvalidJob(f"run_at {run_at.isoformat()} is out of range") from None
+        if not 1970 <= run_at.year <= 9999:
+            raise InvalidJob(f"run_at {run_at.isoformat()} is out of range (1970 to 9999)")
         return run_at
     if delay is None:
         return None  # the column's default: the database clock
     seconds = delay.total_seconds() if isinstance(delay, timedelta) else float(delay)
-    if seconds < 0:
-        raise InvalidJob("delay must not be negative")
+    if not 0 <= seconds <= MAX_DELAY.total_seconds():  # also refuses NaN
+        raise InvalidJob(f"delay must be from 0 to {MAX_DELAY.days} days in seconds, not {delay}")
     return Now() + timedelta(seconds=seconds)
 
 
@@ -456,14 +496,22 @@ def _log_settled(job: Claimed, verdict: Verdict, settled: bool) -> bool:
     return settled
 
 
-def fence(job_id: int, lease_token: int) -> None:
+def fence(job_id: int, lease_token: int, lease_seconds: float | None = None) -> None:
     """Inside a transaction: lock the job row iff it is still ours, else raise LeaseLost.
 
     The row lock (an UPDATE, so it works on both databases) holds until the transaction
-    ends, so a reclaim cannot interleave with the block that called this.
+    ends, so a reclaim cannot interleave with the block that called this. With
+    ``lease_seconds`` it also renews the lease, since the worker's own heartbeat cannot
+    touch the row while the block holds it: a fenced block may last up to one lease.
     """
+    renew: dict[str, Any] = {}
+    if lease_seconds is not None:
+        renew = {
+            "lease_expires_at": Now() + timedelta(seconds=lease_seconds),
+            "heartbeat_at": Now(),
+        }
     matched = Job.objects.filter(pk=job_id, state=State.RUNNING, lease_token=lease_token).update(
-        updated_at=Now()
+        updated_at=Now(), **renew
     )
     if matched != 1:
         raise LeaseLost(f"job {job_id} is no longer running under lease {lease_token}")
@@ -481,10 +529,7 @@ def heartbeat(job: Claimed) -> bool:
     """Renew the lease from the database clock; returns whether a cancel was requested."""
     expires = Now() + timedelta(seconds=job.lease_seconds)
     with transaction.atomic():
-        if sql.is_postgres():
-            # A lost heartbeat only shortens a lease; it need not wait for fsync.
-            with connection.cursor() as cursor:
-                cursor.execute("SET LOCAL synchronous_commit = off")
+        sql.heartbeat_settings()
         matched = Job.objects.filter(
             pk=job.id, state=State.RUNNING, lease_token=job.lease_token
         ).update(lease_expires_at=expires, heartbeat_at=Now())
@@ -509,8 +554,11 @@ def reclaim_expired(limit: int = 500) -> list[int]:
     """
     reclaimed: list[int] = []
     with transaction.atomic():
+        # SKIP LOCKED: a row locked by a live fenced block (ctx.atomic) is not waited on;
+        # the next pass sees it again once that transaction has ended.
         expired = list(
-            Job.objects.filter(state=State.RUNNING, lease_expires_at__lt=Now())
+            Job.objects.select_for_update(skip_locked=True)
+            .filter(state=State.RUNNING, lease_expires_at__lt=Now())
             .order_by("lease_expires_at")
             .values_list(
                 "pk", "lease_token", "attempts", "max_attempts", "kind", "lane", "leased_by"

@@ -23,6 +23,7 @@ from .models import CatchUp
 from .registry import all_handlers
 
 MAX_CATCH_UP_STEPS = 100_000  # slots walked when finding the latest missed one
+MAX_EVERY = 100 * 365 * 86400.0  # seconds: an interval schedule runs at least once a century
 
 
 @dataclass(frozen=True)
@@ -43,8 +44,10 @@ class Declared:
         where = f"schedule {self.name!r}"
         if bool(self.cron) == (self.every is not None):
             raise ImproperlyConfigured(f"{where}: give exactly one of 'cron' and 'every'")
-        if self.every is not None and self.every <= 0:
-            raise ImproperlyConfigured(f"{where}: 'every' must be a positive number of seconds")
+        if self.every is not None and not 0 < self.every <= MAX_EVERY:  # also refuses NaN
+            raise ImproperlyConfigured(
+                f"{where}: 'every' must be a number of seconds from 0 to {MAX_EVERY:g}"
+            )
         try:
             zone = ZoneInfo(self.timezone)
         except (ZoneInfoNotFoundError, ValueError):
@@ -133,10 +136,9 @@ def catch_up(
     them; cron schedules walk their slots (bounded).
     """
     if every is not None:
-        step = every
-        missed = int((now - due).total_seconds() // step)
-        latest = due + timedelta(seconds=missed * step)
-        return latest, latest + timedelta(seconds=step)
+        step = timedelta(seconds=every)
+        latest = due + step * ((now - due) // step)  # exact: timedelta arithmetic, no floats
+        return latest, latest + step
     latest = due
     for steps, slot in enumerate(slots_after(cron, every, timezone, due)):
         if slot > now or steps >= MAX_CATCH_UP_STEPS:

@@ -275,6 +275,25 @@ def settle_and_claim(
         return _settle_and_claim(params, settle, worker_id, lanes, excluded=_full(limits))
 
 
+def heartbeat_settings() -> None:
+    """PostgreSQL, inside the heartbeat's transaction: no fsync wait (a lost heartbeat only
+    shortens a lease), and no long wait behind the handler's own fenced block, which holds
+    the job row (that block renews the lease itself)."""
+    if is_postgres():
+        with connection.cursor() as cursor:
+            cursor.execute("SET LOCAL synchronous_commit = off")
+            cursor.execute("SET LOCAL lock_timeout = '500ms'")
+
+
+def limit_lock_waits(seconds: float) -> None:
+    """Bound how long this connection waits for a row or database lock from now on."""
+    with connection.cursor() as cursor:
+        if is_postgres():
+            cursor.execute(f"SET lock_timeout = '{int(seconds * 1000)}ms'")
+        else:
+            cursor.execute(f"PRAGMA busy_timeout = {int(seconds * 1000)}")
+
+
 def _full(limits: Mapping[str, int]) -> list[str]:
     """The limited lanes whose running jobs have reached their ``max_running``."""
     running = (

@@ -37,7 +37,7 @@ from django.db import (
     connection,
 )
 
-from . import engine
+from . import engine, sql
 from . import lanes as lane_config
 from .context import JobContext
 from .exceptions import Cancelled, LeaseLost, PermanentError, UnknownKind
@@ -52,6 +52,7 @@ log = get_logger("jobs.worker")
 T = TypeVar("T")
 DB_ERRORS = (OperationalError, InterfaceError)
 MAX_DB_BACKOFF = 30.0
+RELEASE_LOCK_WAIT = 2.0  # seconds the shutdown release may wait for the job row
 
 
 class GaveUp(Exception):
@@ -308,9 +309,15 @@ class WorkerProcess:
             return
         log.warning("shutdown_grace_expired", job_id=job.id, grace_seconds=self.grace_seconds)
         try:
+            # The handler may hold the job row (a long ctx.atomic block): wait a little,
+            # never forever; if the release cannot be written, the lease expires instead.
+            sql.limit_lock_waits(RELEASE_LOCK_WAIT)
             engine.release(job)
         except LeaseLost:
-            pass  # it finished or was reclaimed meanwhile
+            with self._current_lock:
+                moved_on = self.current is None or self.current[0] is not job
+            if moved_on:
+                return  # settled meanwhile, maybe with the next job claimed: look again
         except DB_ERRORS as exc:
             log.error("release_failed", job_id=job.id, error=_one_line(exc))
         self._quietly(lambda: engine.worker_stopped(self.worker_id))

@@ -26,8 +26,9 @@ from .models import OpsToken, Scope
 
 log = get_logger("ops.tokens")
 
-TOKEN_PATTERN = re.compile(r"^hf_([A-Za-z0-9]{8})_([A-Za-z0-9_-]{43})$")
-NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.@-]{0,99}$")
+# Matched with fullmatch: "$" would also accept a trailing newline.
+TOKEN_PATTERN = re.compile(r"hf_([A-Za-z0-9]{8})_([A-Za-z0-9_-]{43})")
+NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.@-]{0,99}")
 LAST_USED_RESOLUTION = timedelta(minutes=1)  # at most one write per token per minute
 
 
@@ -54,7 +55,7 @@ def _digest(salt: str, token: str) -> str:
 
 def create(name: str, scope: str) -> tuple[OpsToken, str]:
     """Issue a token; returns the row and the plain token, which is never shown again."""
-    if not NAME_PATTERN.match(name):
+    if not NAME_PATTERN.fullmatch(name):
         raise InvalidJob(
             f"token name {name!r} must be 1-100 letters, digits or _ . @ - "
             "and start with a letter or digit"
@@ -88,7 +89,7 @@ def revoke(name: str) -> OpsToken:
 
 def authenticate(token: str) -> Principal | None:
     """The caller behind ``token``, or None for a malformed, unknown or revoked token."""
-    match = TOKEN_PATTERN.match(token)
+    match = TOKEN_PATTERN.fullmatch(token)
     if match is None:
         return None
     row = OpsToken.objects.filter(prefix=match[1], revoked_at__isnull=True).first()

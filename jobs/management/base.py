@@ -6,6 +6,7 @@ usage errors and bad input, always with a one-line reason on stderr and no trace
 
 from __future__ import annotations
 
+import argparse
 import json
 import re
 from datetime import timedelta
@@ -32,6 +33,7 @@ BAD_INPUT = (
     LaneRefused,
     UnknownKind,
     ValueError,
+    OverflowError,
     LookupError,
     ImproperlyConfigured,
 )
@@ -79,4 +81,32 @@ def parse_duration(text: str) -> timedelta:
     match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhdw])\s*", text)
     if match is None:
         raise bad_input(f"not a duration: {text!r} (use e.g. 14d, 12h, 30m, 90s, 2w)")
-    return timedelta(seconds=float(match[1]) * DURATION_UNITS[match[2]])
+    try:
+        return timedelta(seconds=float(match[1]) * DURATION_UNITS[match[2]])
+    except OverflowError:
+        raise bad_input(f"duration {text!r} is too long") from None
+
+
+MAX_ROW_ID = 2**63 - 1
+
+
+def row_id(text: str) -> int:
+    """argparse type for a job or issue id: a whole number the database can hold."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an id: {text!r}") from None
+    if not 1 <= value <= MAX_ROW_ID:
+        raise argparse.ArgumentTypeError(f"no such id: {text}")
+    return value
+
+
+def limit(text: str) -> int:
+    """argparse type for --limit: 1 to 100,000 rows."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 1 <= value <= 100_000:
+        raise argparse.ArgumentTypeError("--limit must be from 1 to 100000")
+    return value

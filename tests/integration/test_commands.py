@@ -66,7 +66,6 @@ def test_enqueue_prints_the_id_or_the_job_object():
         ("show_job", "999999"),
         ("requeue_dead", "999999"),
         ("requeue_dead",),
-        ("list_jobs", "--limit", "0"),
     ],
 )
 def test_bad_input_exits_2(args):

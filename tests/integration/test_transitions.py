@@ -1,11 +1,15 @@
 """Every state transition of the engine, and the guard that protects it (I1, I2, I3)."""
 
+import threading
+import time
 from datetime import timedelta
 
 import pytest
+from django.db import connection
 from django.utils import timezone
 
 from jobs import LeaseLost, engine
+from jobs.context import JobContext
 from jobs.models import Job, Lease, Outcome, State
 
 from .helpers import claim_one, expire_lease, failure
@@ -175,3 +179,35 @@ def test_requeue_dead_gives_a_fresh_budget_and_keeps_history():
     assert job.finished_at is None
     assert claim_one().attempt == 4
     assert engine.requeue_dead([job]) == []  # not dead any more: nothing happens
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db(transaction=True)
+def test_reclaim_does_not_wait_behind_a_live_fenced_block():
+    """A handler inside ctx.atomic() holds its job row; other workers' reclaim skips it
+    instead of queueing behind it (which would stall their own heartbeats and ticks)."""
+    engine.enqueue("test.echo")
+    claimed = claim_one()
+    expire_lease(claimed.id)  # committed: to a reclaimer the lease looks expired
+    inside, release = threading.Event(), threading.Event()
+
+    def hold_the_row() -> None:
+        try:
+            with JobContext(claimed, "w1").atomic():  # renews the lease, uncommitted
+                inside.set()
+                release.wait(10)
+        finally:
+            connection.close()
+
+    holder = threading.Thread(target=hold_the_row)
+    holder.start()
+    try:
+        assert inside.wait(5)
+        started = time.monotonic()
+        assert engine.reclaim_expired() == []  # skipped, not waited on
+        assert time.monotonic() - started < 3
+    finally:
+        release.set()
+        holder.join()
+    assert engine.reclaim_expired() == []  # the block renewed the lease when it committed
+    assert Job.objects.get().state == State.RUNNING

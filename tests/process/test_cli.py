@@ -84,3 +84,26 @@ def test_burst_worker_dead_job_inspection_and_requeue(workers: WorkerPool) -> No
         assert proc.stdout() == "", f"{name}\n{proc.describe()}"
     assert Job.objects.get(pk=done).state == State.SUCCEEDED  # untouched
     assert Job.objects.count() == 2  # the failed enqueues created nothing
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("list_jobs", "--limit", "0"),
+        ("list_jobs", "--limit", "9223372036854775808"),
+        ("show_job", "-5"),
+        ("requeue_dead", "9223372036854775808"),
+        ("cancel_job", "abc"),
+        ("prune_jobs", "--older-than", "99999999999999999999d"),
+        ("enqueue", "test.echo", "--delay", "inf"),
+        ("enqueue", "test.echo", "--run-at", "0001-01-01T00:00:00+14:00"),
+        ("enqueue", "test.echo", "--args", '{"a": "\\u0000"}'),
+        ("create_ops_token", "name\n", "--scope", "read"),
+    ],
+)
+def test_out_of_range_and_malformed_input_exits_2_without_a_traceback(
+    workers: WorkerPool, args: tuple[str, ...]
+) -> None:
+    result = workers.command(*args)
+    assert result.returncode == 2, result.describe()
+    assert "Traceback" not in result.stderr

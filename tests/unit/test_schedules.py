@@ -46,9 +46,18 @@ def test_catch_up_collapses_missed_slots_to_the_latest_and_keeps_the_grid():
     assert (latest - due).total_seconds() % 600 == 0  # same grid as before the downtime
 
 
+def test_sub_second_intervals_catch_up_exactly():
+    due = utc(2026, 1, 1)
+    now = due + timedelta(seconds=0.3)
+    latest, following = catch_up("", 0.1, "UTC", due, now)
+    assert latest <= now < following  # float floor division would give following == now
+
+
 @pytest.mark.parametrize(
     "options",
     [
+        {"every": float("nan")},
+        {"every": 1e300},
         {"cron": "61 * * * *"},
         {"cron": "0 3 * * *", "every": 60},
         {},

@@ -1,3 +1,4 @@
+import math
 from typing import Any
 
 from django.core.management.base import CommandParser
@@ -5,6 +6,8 @@ from django.core.management.base import CommandParser
 from ingestion import ingester
 from ingestion.spool import Overdue, Spool, Stuck, grace_seconds
 from jobs.management.base import JobsCommand, bad_input, failed
+
+MAX_WORKERS = 64  # reader processes; more only compete for the same cores
 
 
 class Command(JobsCommand):
@@ -40,10 +43,10 @@ class Command(JobsCommand):
         )
 
     def handle(self, *args: Any, **options: Any) -> None:
-        if options["workers"] < 1:
-            raise bad_input("--workers must be at least 1")
-        if options["stuck_after"] <= 0:
-            raise bad_input("--stuck-after must be positive")
+        if not 1 <= options["workers"] <= MAX_WORKERS:
+            raise bad_input(f"--workers must be from 1 to {MAX_WORKERS}")
+        if not 0 < options["stuck_after"] < math.inf:  # also refuses NaN
+            raise bad_input("--stuck-after must be a positive number of seconds")
         grace = grace_seconds() if options["grace"] is None else options["grace"]
         if grace < 0:
             raise bad_input("--grace must be 0 (off) or positive")

@@ -4,7 +4,7 @@ from django.core.management.base import CommandParser
 
 from ingestion.models import IssueKind, IssueStatus
 from ingestion.reconciliation import issue_dict, issues
-from jobs.management.base import JobsCommand, bad_input
+from jobs.management.base import JobsCommand, limit
 
 
 class Command(JobsCommand):
@@ -15,11 +15,9 @@ class Command(JobsCommand):
         parser.add_argument("--status", choices=IssueStatus.values)
         parser.add_argument("--kind", choices=IssueKind.values)
         parser.add_argument("--source")
-        parser.add_argument("--limit", type=int, default=100)
+        parser.add_argument("--limit", type=limit, default=100)
 
     def handle(self, *args: Any, **options: Any) -> None:
-        if options["limit"] < 1:
-            raise bad_input("--limit must be at least 1")
         found = issues(options["status"], options["kind"], options["source"])
         rows = [issue_dict(issue) for issue in found[: options["limit"]]]
         if options["as_json"]:

@@ -2,7 +2,7 @@ from typing import Any
 
 from django.core.management.base import CommandParser
 
-from jobs.management.base import JobsCommand, bad_input
+from jobs.management.base import JobsCommand, limit
 from jobs.models import Job, State
 from jobs.serialization import job_dict
 
@@ -15,11 +15,9 @@ class Command(JobsCommand):
         parser.add_argument("--state", choices=State.values)
         parser.add_argument("--lane")
         parser.add_argument("--kind")
-        parser.add_argument("--limit", type=int, default=50)
+        parser.add_argument("--limit", type=limit, default=50)
 
     def handle(self, *args: Any, **options: Any) -> None:
-        if options["limit"] < 1:
-            raise bad_input("--limit must be at least 1")
         jobs = Job.objects.order_by("-pk")
         for field in ("state", "lane", "kind"):
             if options[field]:

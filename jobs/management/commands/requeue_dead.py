@@ -4,7 +4,7 @@ from django.core.management.base import CommandParser
 
 from jobs import engine
 from jobs.exceptions import StateConflict
-from jobs.management.base import JobsCommand, bad_input
+from jobs.management.base import JobsCommand, bad_input, row_id
 from jobs.models import Job
 
 
@@ -13,7 +13,7 @@ class Command(JobsCommand):
 
     def add_arguments(self, parser: CommandParser) -> None:
         super().add_arguments(parser)
-        parser.add_argument("ids", nargs="*", type=int, metavar="ID")
+        parser.add_argument("ids", nargs="*", type=row_id, metavar="ID")
         parser.add_argument("--kind")
         parser.add_argument("--lane")
         parser.add_argument("--all", action="store_true", help="every dead job")

@@ -3,7 +3,7 @@ from typing import Any
 from django.core.management.base import CommandParser
 
 from jobs.engine import get_job
-from jobs.management.base import JobsCommand
+from jobs.management.base import JobsCommand, row_id
 from jobs.serialization import job_detail_dict
 
 
@@ -12,7 +12,7 @@ class Command(JobsCommand):
 
     def add_arguments(self, parser: CommandParser) -> None:
         super().add_arguments(parser)
-        parser.add_argument("job_id", type=int)
+        parser.add_argument("job_id", type=row_id)
 
     def handle(self, *args: Any, **options: Any) -> None:
         data = job_detail_dict(get_job(options["job_id"]))
