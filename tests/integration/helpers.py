@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import json
 from datetime import timedelta
+from io import StringIO
 
+import pytest
+from django.core.management import CommandError, call_command
 from django.utils import timezone
 
 from jobs import engine
@@ -30,3 +34,21 @@ def failure(message: str = "boom", permanent: bool = False) -> engine.Failure:
         context={"job_id": 0},
         permanent=permanent,
     )
+
+
+def run(*args: str) -> str:
+    """Run a management command in-process; return what it printed."""
+    out = StringIO()
+    call_command(*args, stdout=out, stderr=StringIO())
+    return out.getvalue()
+
+
+def run_json(*args: str) -> dict:
+    return json.loads(run(*args, "--json"))
+
+
+def exit_code(*args: str) -> int:
+    """The exit code a failing command reports (its CommandError's returncode)."""
+    with pytest.raises(CommandError) as raised:
+        run(*args)
+    return raised.value.returncode

@@ -1,15 +1,11 @@
 """The command-line contract: JSON shapes and exit codes (DESIGN §8)."""
 
-import json
-from io import StringIO
-
 import pytest
-from django.core.management import CommandError, call_command
 
 from jobs import engine
 from jobs.models import Job, State
 
-from .helpers import claim_one, failure
+from .helpers import claim_one, exit_code, failure, run, run_json
 
 pytestmark = pytest.mark.django_db
 
@@ -21,22 +17,6 @@ LEASE_FIELDS = {
     "attempt", "lease_token", "worker_id", "acquired_at", "expires_at", "released_at",
     "outcome", "error_class", "error_message", "traceback",
 }  # fmt: skip
-
-
-def run(*args: str) -> str:
-    out = StringIO()
-    call_command(*args, stdout=out, stderr=StringIO())
-    return out.getvalue()
-
-
-def run_json(*args: str) -> dict:
-    return json.loads(run(*args, "--json"))
-
-
-def exit_code(*args: str) -> int:
-    with pytest.raises(CommandError) as raised:
-        run(*args)
-    return raised.value.returncode
 
 
 def make_dead_job() -> Job:

@@ -1,11 +1,8 @@
 """Operator commands beyond the engine's core: cancel, prune, tokens, reconciliation."""
 
-import json
 from datetime import timedelta
-from io import StringIO
 
 import pytest
-from django.core.management import CommandError, call_command
 from django.utils import timezone
 
 from ingestion import reconciliation
@@ -14,25 +11,9 @@ from jobs.models import Job, Lease, State
 from ops import tokens
 from ops.models import OpsToken
 
-from .helpers import claim_one, failure
+from .helpers import claim_one, exit_code, failure, run, run_json
 
 pytestmark = pytest.mark.django_db
-
-
-def run(*args: str) -> str:
-    out = StringIO()
-    call_command(*args, stdout=out, stderr=StringIO())
-    return out.getvalue()
-
-
-def run_json(*args: str) -> dict:
-    return json.loads(run(*args, "--json"))
-
-
-def exit_code(*args: str) -> int:
-    with pytest.raises(CommandError) as raised:
-        run(*args)
-    return raised.value.returncode
 
 
 # --- cancel_job ------------------------------------------------------------------------
