@@ -139,6 +139,8 @@ HOLDFAST_LEASE_SECONDS = env_number("HOLDFAST_LEASE_SECONDS", 60)
 HOLDFAST_POLL_SECONDS = env_number("HOLDFAST_POLL_SECONDS", 1)
 HOLDFAST_RECLAIM_SECONDS = env_number("HOLDFAST_RECLAIM_SECONDS", 5)
 HOLDFAST_SPOOL_DIR = Path(os.environ.get("HOLDFAST_SPOOL_DIR", VAR_DIR / "spool"))
+# PostgreSQL role granted exactly the spool ingester's privileges by a migration (unset: none).
+HOLDFAST_INGESTER_DB_ROLE = os.environ.get("HOLDFAST_INGESTER_DB_ROLE", "").strip()
 HOLDFAST_BLOB_DIR = Path(os.environ.get("HOLDFAST_BLOB_DIR", VAR_DIR / "blobs"))
 HOLDFAST_LANES: dict[str, dict] = {"default": {}}
 # Recurring jobs declared in settings (DESIGN §6); handlers may also declare schedule=.
