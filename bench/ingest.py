@@ -45,7 +45,13 @@ if str(ROOT) not in sys.path:
 
 import psycopg  # noqa: E402
 
-from bench.run import Database, django_env, manage, postgres_database  # noqa: E402
+from bench.run import (  # noqa: E402
+    Database,
+    django_env,
+    format_table,
+    manage,
+    postgres_database,
+)
 
 FACTS_PER_FILE = 10
 LABS = 10
@@ -248,18 +254,7 @@ def render(rows: list[Row], headers: list[str]) -> str:
                 r.note + target,
             ]
         )
-    widths = [max(len(line[i]) for line in table) for i in range(len(table[0]))]
-    numeric = {2, 3, 4, 5, 6}
-    out = [*headers, ""]
-    for n, line in enumerate(table):
-        cells = [
-            c.rjust(w) if i in numeric and n else c.ljust(w)
-            for i, (c, w) in enumerate(zip(line, widths, strict=True))
-        ]
-        out.append("  ".join(cells).rstrip())
-        if n == 0:
-            out.append("  ".join("-" * w for w in widths))
-    return "\n".join(out)
+    return format_table(table, headers, numeric={2, 3, 4, 5, 6})
 
 
 def main(argv: list[str] | None = None) -> int:

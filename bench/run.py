@@ -545,8 +545,12 @@ def render(rows: list[Row], headers: list[str]) -> str:
                 + ("" if r.bound is None or r.bound == r.rate else f" (bound {r.bound:,.0f}/s)"),
             ]
         )
+    return format_table(table, headers, numeric={2, 3, 4, 5})
+
+
+def format_table(table: list[list[str]], headers: list[str], numeric: set[int]) -> str:
+    """Headers, then ``table`` in aligned columns (the ``numeric`` ones right-aligned)."""
     widths = [max(len(line[i]) for line in table) for i in range(len(table[0]))]
-    numeric = {2, 3, 4, 5}
     out = [*headers, ""]
     for n, line in enumerate(table):
         cells = [

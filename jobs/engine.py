@@ -17,8 +17,9 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+from django.conf import settings
 from django.db import IntegrityError, connection, transaction
-from django.db.models import F, Q, Subquery
+from django.db.models import F, Q, QuerySet, Subquery
 from django.db.models.base import ModelState
 from django.db.models.functions import Now
 from django.utils import timezone
@@ -31,10 +32,11 @@ from .exceptions import (
     LaneFull,
     LeaseLost,
     StateConflict,
+    UnknownKind,
 )
 from .log import get_logger
 from .models import ACTIVE_STATES, Job, Lease, Outcome, State, Worker
-from .registry import HandlerSpec, get_handler
+from .registry import DEFAULT_MAX_ATTEMPTS, HandlerSpec, get_handler
 from .sql import Claimed, Settlement
 
 log = get_logger("jobs.engine")
@@ -49,16 +51,6 @@ UNIQUE_KEY_LENGTH = 255
 
 
 # --- enqueue ---------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class EnqueueOptions:
-    lane: str | None = None
-    priority: int = 0
-    delay: float | None = None
-    run_at: datetime | None = None
-    unique_key: str | None = None
-    max_attempts: int | None = None
 
 
 def enqueue(
@@ -307,8 +299,6 @@ def _run_at_expression(delay: float | timedelta | None, run_at: datetime | None)
 
 
 def _lease_seconds(spec: HandlerSpec) -> float:
-    from django.conf import settings
-
     return float(spec.lease_seconds or settings.HOLDFAST_LEASE_SECONDS)
 
 
@@ -611,9 +601,12 @@ def get_job(job_id: int) -> Job:
 
 
 def dead_jobs(
-    ids: Sequence[int] = (), kind: str | None = None, lane: str | None = None
-) -> list[Job]:
-    """The dead jobs an operator selected (by id, kind and/or lane), oldest first."""
+    ids: Sequence[int] = (),
+    kind: str | None = None,
+    lane: str | None = None,
+    since: datetime | None = None,
+) -> QuerySet[Job]:
+    """The dead jobs an operator selected (by id, kind, lane, time of death), oldest first."""
     query = Q(state=State.DEAD)
     if ids:
         query &= Q(pk__in=ids)
@@ -621,7 +614,9 @@ def dead_jobs(
         query &= Q(kind=kind)
     if lane:
         query &= Q(lane=lane)
-    return list(Job.objects.filter(query).order_by("pk"))
+    if since:
+        query &= Q(finished_at__gte=since)
+    return Job.objects.filter(query).order_by("pk")
 
 
 def requeue_dead(jobs: Sequence[Job], actor: str = "operator") -> list[int]:
@@ -724,13 +719,9 @@ def requeue_one(job_id: int, actor: str = "operator") -> Job:
 
 
 def _requeue_budget(kind: str) -> int:
-    from .exceptions import UnknownKind
-
     try:
         return get_handler(kind).max_attempts
     except UnknownKind:
-        from .registry import DEFAULT_MAX_ATTEMPTS
-
         return DEFAULT_MAX_ATTEMPTS
 
 

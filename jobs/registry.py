@@ -108,11 +108,6 @@ def get_handler(kind: str) -> HandlerSpec:
         raise UnknownKind(f"no handler is registered for job kind {kind!r}") from None
 
 
-def registered_kinds() -> list[str]:
-    autodiscover()
-    return sorted(_handlers)
-
-
 def all_handlers() -> list[HandlerSpec]:
     autodiscover()
     return [_handlers[kind] for kind in sorted(_handlers)]

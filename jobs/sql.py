@@ -237,11 +237,6 @@ def claim(
     return settle_and_claim(None, None, worker_id, lanes, limits)[1]
 
 
-def settle(job: Claimed, how: Settlement) -> bool:
-    """Move ``job`` out of ``running`` as ``how`` says; False when the lease was lost."""
-    return settle_and_claim(job, how, None, None)[0]
-
-
 def settle_and_claim(
     job: Claimed | None,
     how: Settlement | None,

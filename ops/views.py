@@ -31,7 +31,7 @@ from ingestion import reconciliation
 from ingestion.spool import grace_seconds
 from jobs import engine
 from jobs.log import get_logger
-from jobs.models import Job, State, Worker
+from jobs.models import Worker
 from jobs.serialization import job_detail_dict, job_dict
 from jobs.status import STALE_WORKER_FLOOR_SECONDS, queue_status
 
@@ -151,13 +151,11 @@ class DeadJobsView(OpsView):
         responses={200: DeadJobsResponse, **schema.READ_ERRORS},
     )
     def get(self, request: Request) -> Response:
-        found = Job.objects.filter(state=State.DEAD)
-        if "lane" in self.query:
-            found = found.filter(lane=self.query["lane"])
-        if "kind" in self.query:
-            found = found.filter(kind=self.query["kind"])
-        if "since" in self.query:
-            found = found.filter(finished_at__gte=self.query["since"])
+        found = engine.dead_jobs(
+            kind=self.query.get("kind"),
+            lane=self.query.get("lane"),
+            since=self.query.get("since"),
+        )
         page = paginate(request, self.query, found.order_by("-pk"), "jobs", job_dict)
         return Response(page)
 

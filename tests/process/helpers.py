@@ -141,3 +141,24 @@ def overlapping_leases(job_ids: Iterable[int]) -> list[str]:
                     f"{after.acquired_at})"
                 )
     return problems
+
+
+def concurrent_jobs_per_worker(job_ids: Iterable[int]) -> list[str]:
+    """Leases held at once by one worker process (I7: one job at a time per worker).
+
+    A worker's next claim may share its previous settle's commit (same timestamp), never
+    precede it. Use with workers that each have their own ``--worker-id``.
+    """
+    problems = []
+    by_worker: dict[str, list[Lease]] = {}
+    leases = Lease.objects.filter(job_id__in=list(job_ids)).order_by("worker_id", "acquired_at")
+    for lease in leases:
+        by_worker.setdefault(lease.worker_id, []).append(lease)
+    for worker_id, held in by_worker.items():
+        for before, after in pairwise(held):
+            if before.released_at is None or before.released_at > after.acquired_at:
+                problems.append(
+                    f"{worker_id}: job {before.job_id} (released {before.released_at}) still "
+                    f"held when job {after.job_id} was claimed at {after.acquired_at}"
+                )
+    return problems

@@ -15,6 +15,7 @@ import pytest
 from jobs.engine import enqueue, enqueue_many
 from jobs.models import Job, Lease, Outcome, State
 from tests.process.helpers import (
+    concurrent_jobs_per_worker,
     job_summary,
     overlapping_leases,
     stop_outside_transaction,
@@ -226,5 +227,6 @@ def test_random_sigkills_under_load_apply_every_effect_exactly_once(
         assert outcomes[Outcome.RUNNING] == 0
         assert sum(outcomes.values()) == attempts
     assert overlapping_leases(ids) == []
+    assert concurrent_jobs_per_worker(ids) == []
     # The kills landed mid-job: some attempts were recovered by lease expiry.
     assert Lease.objects.filter(job_id__in=ids, outcome=Outcome.LEASE_EXPIRED).exists()

@@ -291,7 +291,20 @@ class WorkerPool:
         self, *args: str, env: Mapping[str, str] | None = None, timeout: float = 30.0
     ) -> CommandResult:
         """Run ``manage.py ARGS`` to completion and return its exit code and output."""
-        argv = [sys.executable, MANAGE, *args]
+        return self._run([sys.executable, MANAGE, *args], env, timeout)
+
+    def python(
+        self, code: str, *, env: Mapping[str, str] | None = None, timeout: float = 30.0
+    ) -> CommandResult:
+        """Run ``code`` in a fresh interpreter with Django set up (per this pool's env)."""
+        prelude = "import django\ndjango.setup()\n"
+        result = self._run([sys.executable, "-c", prelude + code], env, timeout)
+        if result.returncode != 0:
+            raise AssertionError(f"python subprocess failed\n{result.describe()}")
+        return result
+
+    def _run(self, argv: list[str], env: Mapping[str, str] | None, timeout: float) -> CommandResult:
+        """Run ``argv`` to completion in this pool's environment; a hang fails the test."""
         try:
             done = subprocess.run(
                 argv,
@@ -304,30 +317,10 @@ class WorkerPool:
             )
         except subprocess.TimeoutExpired as exc:
             raise AssertionError(
-                f"$ {' '.join(args)} still running after {timeout} s\n"
+                f"$ {' '.join(argv[1:])} still running after {timeout} s\n"
                 f"stdout:\n{exc.stdout!r}\nstderr:\n{exc.stderr!r}"
             ) from None
         return CommandResult(argv, done.returncode, done.stdout, done.stderr)
-
-    def python(
-        self, code: str, *, env: Mapping[str, str] | None = None, timeout: float = 30.0
-    ) -> CommandResult:
-        """Run ``code`` in a fresh interpreter with Django set up (per this pool's env)."""
-        prelude = "import django\ndjango.setup()\n"
-        argv = [sys.executable, "-c", prelude + code]
-        done = subprocess.run(
-            argv,
-            cwd=REPO,
-            env=self._env(env),
-            stdin=subprocess.DEVNULL,
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-        )
-        result = CommandResult(argv, done.returncode, done.stdout, done.stderr)
-        if result.returncode != 0:
-            raise AssertionError(f"python subprocess failed\n{result.describe()}")
-        return result
 
     @property
     def running(self) -> list[WorkerProc]:

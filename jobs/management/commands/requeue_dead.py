@@ -28,7 +28,7 @@ class Command(JobsCommand):
             missing = [str(i) for i in ids if i not in known]
             if missing:
                 raise bad_input(f"no job with id {', '.join(missing)}")
-        selected = engine.dead_jobs(ids, kind=kind, lane=lane)
+        selected = list(engine.dead_jobs(ids, kind=kind, lane=lane))
         if ids and len(selected) < len(set(ids)):
             states = dict(Job.objects.filter(pk__in=ids).values_list("pk", "state"))
             not_dead = [f"{pk} is {states[pk]}" for pk in ids if states[pk] != "dead"]
