@@ -1,4 +1,4 @@
-"""What the ingestion side keeps. Reconciliation issues now; sources and artifacts follow."""
+"""What the ingestion side keeps: reconciliation issues, spool acks, sources and artifacts."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ from django.db.models.functions import Now
 
 class IssueKind(models.TextChoices):
     QUARANTINED_SUBMISSION = "quarantined_submission"
-    ARTIFACT_GONE = "artifact_gone"
-    MISSING_FROM_DISCOVERY = "missing_from_discovery"
-    CHANGED_WITHOUT_NOTICE = "changed_without_notice"
+    GONE_AT_SOURCE = "gone_at_source"
+    MISSING_FROM_SOURCE = "missing_from_source"
+    CONTENT_CHANGED_UNANNOUNCED = "content_changed_unannounced"
     PERMANENT_FETCH_FAILURE = "permanent_fetch_failure"
 
 
@@ -93,3 +93,130 @@ class IngestedSubmission(models.Model):
 
     def __str__(self) -> str:
         return f"submission {self.hash[:12]} ({self.file_name})"
+
+
+class SourceKind(models.TextChoices):
+    SITEMAP = "sitemap"
+    FEED = "feed"
+
+
+class Source(models.Model):
+    """A named place to discover documents (DESIGN §11).
+
+    ``next_request_at`` is the politeness ledger: every request to the source first locks
+    this row, waits until that time (database clock) and moves it ``spacing_seconds`` on,
+    so the spacing holds across all workers and hosts, not per process.
+    """
+
+    name = models.SlugField(max_length=100, unique=True)
+    kind = models.CharField(max_length=10, choices=SourceKind.choices)
+    url = models.URLField(max_length=2000)
+    schedule = models.CharField(max_length=200, help_text="cron for discovery (UTC)")
+    spacing_seconds = models.FloatField(default=1.0)
+    max_pages_per_run = models.PositiveIntegerField(default=10)
+    refresh_days = models.PositiveIntegerField(default=28)
+    enabled = models.BooleanField(default=True)
+    next_request_at = models.DateTimeField(null=True, blank=True)
+    robots_txt = models.TextField(blank=True, default="")
+    robots_fetched_at = models.DateTimeField(null=True, blank=True)
+    created_at = models.DateTimeField(db_default=Now())
+    disabled_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        db_table = "sources"
+
+    def __str__(self) -> str:
+        return f"{self.name} ({self.kind} {self.url})"
+
+
+class RunState(models.TextChoices):
+    RUNNING = "running"
+    COMPLETED = "completed"
+    FAILED = "failed"
+
+
+class DiscoveryRun(models.Model):
+    """One discovery of a source, possibly spanning several bounded jobs.
+
+    ``cursor`` holds the listing pages still to read (a sitemap index's children, a feed's
+    ``next`` link); it commits together with the items found, so a continuation resumes
+    exactly where the last committed page left off.
+    """
+
+    source = models.ForeignKey(Source, on_delete=models.CASCADE, related_name="runs")
+    state = models.CharField(max_length=10, choices=RunState.choices, default=RunState.RUNNING)
+    cursor = models.JSONField(default=list, blank=True)
+    pages = models.PositiveIntegerField(default=0)
+    items = models.PositiveIntegerField(default=0)
+    jobs = models.PositiveIntegerField(default=0, help_text="bounded jobs this run took")
+    started_at = models.DateTimeField(db_default=Now())
+    finished_at = models.DateTimeField(null=True, blank=True)
+    error = models.TextField(blank=True, default="")
+
+    class Meta:
+        db_table = "discovery_runs"
+        constraints = [
+            models.UniqueConstraint(
+                fields=["source"],
+                condition=models.Q(state="running"),
+                name="one_running_discovery_per_source",
+            )
+        ]
+
+    def __str__(self) -> str:
+        return f"discovery run {self.pk} of {self.source_id} ({self.state})"
+
+
+class ArtifactState(models.TextChoices):
+    DISCOVERED = "discovered"  # known from the source, never fetched
+    FETCHED = "fetched"
+    GONE = "gone"  # 404/410 at the source
+    FAILED = "failed"  # permanent fetch failure (other 4xx, oversized, refused)
+
+
+class Artifact(models.Model):
+    """One discovered document: where it is, what was fetched, when to refresh it."""
+
+    source = models.ForeignKey(Source, on_delete=models.CASCADE, related_name="artifacts")
+    url = models.URLField(max_length=2000)
+    state = models.CharField(
+        max_length=12, choices=ArtifactState.choices, default=ArtifactState.DISCOVERED
+    )
+    lastmod = models.CharField(max_length=64, blank=True, default="", help_text="as listed")
+    title = models.TextField(blank=True, default="")
+    discovered_at = models.DateTimeField(db_default=Now())
+    last_seen_run = models.ForeignKey(
+        DiscoveryRun, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
+    last_seen_at = models.DateTimeField(null=True, blank=True)
+    # What the last fetch got.
+    sha256 = models.CharField(max_length=64, blank=True, default="")
+    size = models.PositiveBigIntegerField(null=True, blank=True)
+    content_type = models.CharField(max_length=200, blank=True, default="")
+    http_status = models.PositiveSmallIntegerField(null=True, blank=True)
+    etag = models.CharField(max_length=500, blank=True, default="")
+    last_modified = models.CharField(max_length=100, blank=True, default="")
+    fetched_lastmod = models.CharField(
+        max_length=64, blank=True, default="", help_text="the listed lastmod when last fetched"
+    )
+    fetched_at = models.DateTimeField(null=True, blank=True)
+    refresh_after = models.DateTimeField(null=True, blank=True)
+    last_error = models.TextField(blank=True, default="")
+    indexed_sha256 = models.CharField(max_length=64, blank=True, default="")
+
+    class Meta:
+        db_table = "artifacts"
+        constraints = [
+            models.UniqueConstraint(fields=["source", "url"], name="artifact_identity")
+        ]
+        indexes = [
+            models.Index(
+                fields=["refresh_after"],
+                condition=models.Q(state="fetched"),
+                name="artifact_refresh_due_idx",
+            ),
+            models.Index(fields=["source", "state"], name="artifact_source_state_idx"),
+        ]
+
+    def __str__(self) -> str:
+        return f"artifact {self.pk} ({self.url})"

@@ -9,6 +9,7 @@ valid minute after it; an autumn repeated hour runs once).
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -76,10 +77,29 @@ class Declared:
         }
 
 
+ScheduleProvider = Callable[[], Iterable[Declared]]
+_providers: dict[str, ScheduleProvider] = {}
+
+
+def schedule_provider(name: str) -> Callable[[ScheduleProvider], ScheduleProvider]:
+    """Register a function returning schedules kept as rows elsewhere (e.g. one per source).
+
+    ``sync`` asks every provider each time it runs, so an app that adds or removes such a
+    schedule calls ``jobs.scheduler.sync()`` afterwards; a provider's schedule that
+    disappears is marked undeclared like any other.
+    """
+
+    def register(func: ScheduleProvider) -> ScheduleProvider:
+        _providers[name] = func
+        return func
+
+    return register
+
+
 def declared() -> dict[str, Declared]:
-    """Every schedule declared by a handler or in ``HOLDFAST_SCHEDULES``, by name."""
+    """Every schedule declared by a handler, a provider or ``HOLDFAST_SCHEDULES``, by name."""
     found: dict[str, Declared] = {}
-    for spec in all_handlers():
+    for spec in all_handlers():  # also imports every app's handlers.py, and its providers
         if spec.schedule is None:
             continue
         if isinstance(spec.schedule, str):
@@ -87,6 +107,9 @@ def declared() -> dict[str, Declared]:
         else:
             every = float(spec.schedule)
             found[spec.kind] = Declared(spec.kind, spec.kind, every=every, origin="handler")
+    for provider in _providers.values():
+        for declaration in provider():
+            found[declaration.name] = declaration
     if refresh.registered():
         found[refresh.REFRESH_KIND] = Declared(
             refresh.REFRESH_KIND,

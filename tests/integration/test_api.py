@@ -476,8 +476,8 @@ def list_issues(client, token: str, query: str = "") -> dict[str, Any]:
 
 def test_issues_are_listed_newest_first_and_filtered(client, api_tokens):
     quarantined = make_issue("quarantined_submission", subject="lab-1.json")
-    gone = make_issue("artifact_gone", source="docs", subject="https://example.org/a")
-    resolved = make_issue("artifact_gone", source="blog", subject="https://example.org/b")
+    gone = make_issue("gone_at_source", source="docs", subject="https://example.org/a")
+    resolved = make_issue("gone_at_source", source="blog", subject="https://example.org/b")
     reconciliation.resolve(resolved.pk, by="someone", comment="moved")
     data = list_issues(client, api_tokens.read)
     assert data["count"] == 3
@@ -486,7 +486,7 @@ def test_issues_are_listed_newest_first_and_filtered(client, api_tokens):
     assert data["issues"][1] == json.loads(json.dumps(reconciliation.issue_dict(gone)))
     ids = [i["id"] for i in list_issues(client, api_tokens.read, "?status=open")["issues"]]
     assert ids == [gone.pk, quarantined.pk]
-    ids = [i["id"] for i in list_issues(client, api_tokens.read, "?kind=artifact_gone")["issues"]]
+    ids = [i["id"] for i in list_issues(client, api_tokens.read, "?kind=gone_at_source")["issues"]]
     assert ids == [resolved.pk, gone.pk]
     ids = [i["id"] for i in list_issues(client, api_tokens.read, "?source=docs")["issues"]]
     assert ids == [gone.pk]

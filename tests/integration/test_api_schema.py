@@ -50,7 +50,7 @@ def rows(transactional_db: None) -> Rows:
     claim_one("w-fuzz")
     queued = engine.enqueue("test.echo")
     open_issue = reconciliation.record("quarantined_submission", "a.json", details={"why": "x"})
-    resolved = reconciliation.record("artifact_gone", "https://example.org/x", source="docs")
+    resolved = reconciliation.record("gone_at_source", "https://example.org/x", source="docs")
     reconciliation.resolve(resolved.pk, by="someone", comment="fixed")
     return Rows(jobs=[dead.pk, running.pk, queued.pk], issues=[open_issue.pk, resolved.pk])
 

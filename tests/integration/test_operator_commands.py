@@ -117,7 +117,7 @@ def test_token_command_bad_input():
 
 def test_list_reconciliation_issues_filters_and_shapes():
     first = reconciliation.record(
-        "artifact_gone", "https://example.org/a", source="example", details={"status": 410}
+        "gone_at_source", "https://example.org/a", source="example", details={"status": 410}
     )
     reconciliation.record("quarantined_submission", "lab-3.json", details={"error": "bad"})
     reconciliation.resolve(first.pk, by="alice", comment="removed upstream on purpose")
@@ -130,12 +130,12 @@ def test_list_reconciliation_issues_filters_and_shapes():
     resolved = run_json("list_reconciliation_issues", "--status", "resolved")["issues"]
     assert [issue["resolved_by"] for issue in resolved] == ["alice"]
     assert run_json("list_reconciliation_issues", "--source", "example")["count"] == 1
-    assert run_json("list_reconciliation_issues", "--kind", "artifact_gone")["count"] == 1
+    assert run_json("list_reconciliation_issues", "--kind", "gone_at_source")["count"] == 1
     assert "removed upstream on purpose" in run("list_reconciliation_issues")
 
 
 def test_resolving_twice_is_a_conflict():
-    issue = reconciliation.record("artifact_gone", "https://example.org/b")
+    issue = reconciliation.record("gone_at_source", "https://example.org/b")
     reconciliation.resolve(issue.pk, by="alice")
     with pytest.raises(engine.StateConflict, match="already resolved by alice"):
         reconciliation.resolve(issue.pk, by="bob")
