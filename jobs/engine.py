@@ -35,19 +35,21 @@ from .exceptions import (
     UnknownKind,
 )
 from .log import get_logger
-from .models import ACTIVE_STATES, Job, Lease, Outcome, State, Worker
+from .models import ACTIVE_STATES, Job, JobEvent, JobLock, Lease, Outcome, State, Worker
 from .registry import DEFAULT_MAX_ATTEMPTS, HandlerSpec, get_handler
 from .sql import Claimed, Settlement
 
 log = get_logger("jobs.engine")
 
 NOTIFY_CHANNEL = "holdfast_jobs"
+CANCEL_CHANNEL = "holdfast_cancel"  # payload: the job id whose cancellation was requested
 MAX_ERROR_MESSAGE = 10_000
 MAX_TRACEBACK = 50_000
 ARGS_ENCODER = json.JSONEncoder(allow_nan=False)  # strict JSON: no NaN or Infinity
 MAX_ATTEMPTS_LIMIT = 1_000_000
 MAX_DELAY = timedelta(days=365 * 100)
 UNIQUE_KEY_LENGTH = 255
+LOCK_NAME_LENGTH = 255
 
 
 # --- enqueue ---------------------------------------------------------------------------
@@ -120,6 +122,7 @@ def enqueue_many(
                 log.warning("job_dropped", kind=kind, lane=chosen.name, count=len(args_list))
                 return []
             raise LaneFull(message)
+    locks = [_locks(spec, args) for args in args_list] if spec.locks else None
     template = Job(
         kind=kind,
         lane=chosen.name,
@@ -131,16 +134,24 @@ def enqueue_many(
         if unique_key is not None or spec.unique:
             created = [
                 _create_unique(
-                    _copy(template, args=args, unique_key=unique_key or _args_key(kind, text)),
+                    _copy(
+                        template,
+                        args=args,
+                        locks=locks[n] if locks else None,
+                        unique_key=unique_key or _args_key(kind, text),
+                    ),
                     when,
                 )
-                for args, text in zip(args_list, args_json, strict=True)
+                for n, (args, text) in enumerate(zip(args_list, args_json, strict=True))
             ]
         elif sql.is_postgres():
-            created = _insert_many(template, args_list, args_json, delay, run_at)
+            created = _insert_many(template, args_list, args_json, locks, delay, run_at)
         else:
             created = Job.objects.bulk_create(
-                [_copy(template, args=args, run_at=when) for args in args_list],
+                [
+                    _copy(template, args=args, locks=locks[n] if locks else None, run_at=when)
+                    for n, args in enumerate(args_list)
+                ],
                 batch_size=2000,
             )
         _notify(chosen.name)
@@ -164,6 +175,7 @@ def _insert_many(
     template: Job,
     args_list: list[dict[str, Any]],
     args_json: list[str],
+    locks: list[list[str]] | None,
     delay: float | timedelta | None,
     run_at: datetime | None,
 ) -> list[Job]:
@@ -178,16 +190,21 @@ def _insert_many(
     jobs: list[Job] = []
     alias = connection.alias
     for start in range(0, len(args_list), sql.BULK_INSERT_CHUNK):
-        rows = sql.insert_jobs(
-            common, args_json[start : start + sql.BULK_INSERT_CHUNK], delay_seconds, run_at
-        )
-        for (pk, job_run_at, created_at), args in zip(
-            rows, args_list[start : start + sql.BULK_INSERT_CHUNK], strict=True
+        end = start + sql.BULK_INSERT_CHUNK
+        chunk_locks = locks[start:end] if locks else None
+        rows = sql.insert_jobs(common, args_json[start:end], chunk_locks, delay_seconds, run_at)
+        for n, ((pk, job_run_at, created_at), args) in enumerate(
+            zip(rows, args_list[start:end], strict=True)
         ):
             job = Job.__new__(Job)
             job.__dict__.update(common)
             job.__dict__.update(
-                id=pk, args=args, run_at=job_run_at, created_at=created_at, updated_at=created_at
+                id=pk,
+                args=args,
+                locks=chunk_locks[n] if chunk_locks else [],
+                run_at=job_run_at,
+                created_at=created_at,
+                updated_at=created_at,
             )
             job._state = ModelState()
             job._state.adding = False
@@ -211,6 +228,26 @@ def _create_unique(job: Job, when: Any) -> Job:
             return job
         log.info("job_deduplicated", job_id=existing.pk, unique_key=job.unique_key)
         return existing
+
+
+def _locks(spec: HandlerSpec, args: dict[str, Any]) -> list[str]:
+    """The resources a job must hold, in canonical order: sorted, each once (I8)."""
+    assert spec.locks is not None
+    try:
+        names = spec.locks(args)
+    except Exception as exc:
+        message = f"the locks of {spec.kind!r} cannot be derived from its args: {exc!r}"
+        raise InvalidJob(message) from None
+    if isinstance(names, str) or not isinstance(names, Iterable):
+        raise InvalidJob(f"the locks of {spec.kind!r} must be a list of strings, not {names!r}")
+    names = list(names)
+    for name in names:
+        if not isinstance(name, str) or not 0 < len(name) <= LOCK_NAME_LENGTH:
+            raise InvalidJob(
+                f"a lock of {spec.kind!r} must be a string of 1 to {LOCK_NAME_LENGTH} "
+                f"characters, not {name!r}"
+            )
+    return sorted(set(names))
 
 
 def _args_json(args: Any) -> str:
@@ -509,10 +546,36 @@ def fence(job_id: int, lease_token: int, lease_seconds: float | None = None) -> 
 
 def record_progress(job: Claimed, done: int, total: int | None, note: str) -> None:
     """Store the handler's progress report; call inside a fenced ``ctx.atomic()``."""
-    Job.objects.filter(pk=job.id, state=State.RUNNING, lease_token=job.lease_token).update(
-        progress={"done": done, "total": total, "note": note}, updated_at=Now()
-    )
+    progress = {"done": done, "total": total, "note": note}
+    if Job.objects.filter(pk=job.id, state=State.RUNNING, lease_token=job.lease_token).update(
+        progress=progress, updated_at=Now()
+    ):
+        _event(job.id, "progress", job.lease_token, done=done, total=total, note=note)
     log.info("job_progress", job_id=job.id, done=done, total=total, note=note)
+
+
+def _event(
+    job_id: int, event: str, lease_token: int | None = None, worker_id: str = "", **data: Any
+) -> None:
+    """Append to the job's event log: call in the transaction of the change it describes."""
+    JobEvent.objects.create(
+        job_id=job_id,
+        event=event,
+        lease_token=lease_token,
+        worker_id=worker_id or "",
+        data=storable(json.loads(json.dumps(data, default=str))),
+    )
+
+
+def events(job_id: int) -> QuerySet[JobEvent]:
+    """The job's event log, oldest first."""
+    return JobEvent.objects.filter(job_id=job_id).order_by("pk")
+
+
+def held_locks(job_id: int | None = None) -> QuerySet[JobLock]:
+    """Resource locks held now (by one job, or by all), in canonical order."""
+    held = JobLock.objects.order_by("resource")
+    return held if job_id is None else held.filter(job_id=job_id)
 
 
 def heartbeat(job: Claimed) -> bool:
@@ -551,16 +614,25 @@ def reclaim_expired(limit: int = 500) -> list[int]:
             .filter(state=State.RUNNING, lease_expires_at__lt=Now())
             .order_by("lease_expires_at")
             .values_list(
-                "pk", "lease_token", "attempts", "max_attempts", "kind", "lane", "leased_by"
+                "pk",
+                "lease_token",
+                "attempts",
+                "max_attempts",
+                "kind",
+                "lane",
+                "leased_by",
+                "heartbeat_at",
+                "lease_expires_at",
             )[:limit]
         )
-        for pk, token, attempts, max_attempts, kind, lane, leased_by in expired:
+        for pk, token, attempts, max_attempts, kind, lane, leased_by, beat, expiry in expired:
             spent = attempts >= max_attempts
             message = f"LeaseExpired: worker {leased_by} stopped renewing lease {token}"
+            new_state = State.DEAD if spent else State.QUEUED
             matched = Job.objects.filter(
                 pk=pk, state=State.RUNNING, lease_token=token, lease_expires_at__lt=Now()
             ).update(
-                state=State.DEAD if spent else State.QUEUED,
+                state=new_state,
                 run_at=Now(),
                 last_error=message,
                 finished_at=Now() if spent else None,
@@ -576,6 +648,9 @@ def reclaim_expired(limit: int = 500) -> list[int]:
                 error_class="LeaseExpired",
                 error_message=message,
             )
+            JobLock.objects.filter(job_id=pk, lease_token=token).delete()
+            _event(pk, "heartbeat_missed", token, leased_by or "", last_heartbeat_at=beat)
+            _event(pk, "reclaimed", token, leased_by or "", expired_at=expiry, state=new_state)
             reclaimed.append(pk)
             log.warning(
                 "lease_reclaimed",
@@ -638,6 +713,7 @@ def requeue_dead(jobs: Sequence[Job], actor: str = "operator") -> list[int]:
                 updated_at=Now(),
             )
             if matched == 1:
+                _event(job.pk, "requeued", by=actor)
                 requeued.append(job.pk)
                 log.info("job_requeued", job_id=job.pk, kind=job.kind, lane=job.lane, by=actor)
         if requeued:
@@ -648,8 +724,9 @@ def requeue_dead(jobs: Sequence[Job], actor: str = "operator") -> list[int]:
 def cancel(job_id: int, actor: str = "operator") -> Job:
     """Cancel a queued job at once, or ask a running one to stop at its next safe point.
 
-    A running job learns of the request at its worker's next lease renewal (at most every
-    5 s) through ``ctx.cancel_requested``; the job ends ``cancelled`` only if the handler
+    A running job learns of the request through ``ctx.cancel_requested``: at once on
+    PostgreSQL (NOTIFY on ``holdfast_cancel``, delivered on commit), else at its worker's
+    next lease renewal (at most every 5 s). The job ends ``cancelled`` only if the handler
     honours it. A finished job cannot be cancelled (StateConflict).
     """
     with transaction.atomic():
@@ -661,12 +738,17 @@ def cancel(job_id: int, actor: str = "operator") -> Job:
             updated_at=Now(),
         ):
             job = get_job(job_id)
+            _event(job_id, "cancelled", by=actor)
             log.info("job_cancelled", job_id=job_id, kind=job.kind, lane=job.lane, by=actor)
             return job
         if Job.objects.filter(pk=job_id, state=State.RUNNING).update(
             cancel_requested=True, updated_at=Now()
         ):
             job = get_job(job_id)
+            _event(job_id, "cancel_requested", job.lease_token, job.leased_by or "", by=actor)
+            if sql.is_postgres():
+                with connection.cursor() as cursor:
+                    cursor.execute("SELECT pg_notify(%s, %s)", [CANCEL_CHANNEL, str(job_id)])
             log.info(
                 "job_cancel_requested",
                 job_id=job_id,

@@ -50,6 +50,8 @@ class Job(models.Model):
     # NULL, not "": only jobs that have a key take part in the partial unique index.
     unique_key = models.CharField(max_length=255, null=True, blank=True)  # noqa: DJ001
     cancel_requested = models.BooleanField(default=False)
+    # The resources this job must hold to run (I8): sorted, deduplicated, fixed at enqueue.
+    locks = models.JSONField(default=list, blank=True)
     result = models.JSONField(null=True, blank=True)
     progress = models.JSONField(null=True, blank=True)
     last_error = models.TextField(blank=True, default="")
@@ -126,6 +128,46 @@ class Lease(models.Model):
 
     def __str__(self) -> str:
         return f"lease {self.lease_token} of job {self.job_id} ({self.outcome})"
+
+
+class JobLock(models.Model):
+    """A resource held by a running job, tied to its lease token (I8).
+
+    The resource name is the primary key, so two holders cannot coexist: a claimer that
+    races another for the same resource fails its whole claim statement on this key and
+    claims again. Rows are written by the claim and deleted in the same transaction as the
+    settle or reclaim that ends the lease, so a lock never outlives its lease for longer
+    than the reclaim interval.
+    """
+
+    resource = models.CharField(max_length=255, primary_key=True)
+    job = models.ForeignKey(Job, on_delete=models.DB_CASCADE, related_name="held_locks")
+    lease_token = models.BigIntegerField()
+    acquired_at = models.DateTimeField(db_default=Now())
+
+    def __str__(self) -> str:
+        return f"lock {self.resource} held by job {self.job_id} (lease {self.lease_token})"
+
+
+class JobEvent(models.Model):
+    """The job's append-only activity log.
+
+    Each event is inserted by the same statement or transaction as the state change it
+    describes, so the log has no gaps and no events for changes that rolled back.
+    """
+
+    job = models.ForeignKey(Job, on_delete=models.DB_CASCADE, related_name="events")
+    at = models.DateTimeField(db_default=Now())
+    event = models.CharField(max_length=32)
+    lease_token = models.BigIntegerField(null=True, blank=True)
+    worker_id = models.CharField(max_length=200, blank=True, default="")
+    data = models.JSONField(default=dict, blank=True)
+
+    class Meta:
+        indexes = [models.Index(fields=["job", "id"], name="jobevent_job_idx")]
+
+    def __str__(self) -> str:
+        return f"{self.event} of job {self.job_id} at {self.at}"
 
 
 class Worker(models.Model):

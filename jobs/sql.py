@@ -24,7 +24,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 import psycopg
-from django.db import connection, transaction
+from django.db import IntegrityError, connection, transaction
 from django.db.models import Count
 from django.utils.dateparse import parse_datetime
 
@@ -44,6 +44,7 @@ class Claimed:
     lease_token: int
     lease_seconds: float
     lease_expires_at: datetime
+    locks: tuple[str, ...]
     lease_id: int
 
 
@@ -64,7 +65,8 @@ class Settlement:
 
 
 CLAIMED_COLUMNS = (
-    "id, kind, lane, args, attempts, max_attempts, lease_token, lease_seconds, lease_expires_at"
+    "id, kind, lane, args, attempts, max_attempts, lease_token, lease_seconds, lease_expires_at, "
+    "locks"
 )
 
 
@@ -72,12 +74,18 @@ def _columns(table: str) -> str:
     return ", ".join(f"{table}.{column.strip()}" for column in CLAIMED_COLUMNS.split(","))
 
 
-# The claim, as CTEs: pick the best runnable row (skipping rows other workers are locking),
-# make it ours under the next lease token, and write the attempt's lease row.
+# The claim, as CTEs: pick the best runnable row whose resource locks are all free
+# (skipping rows other workers are locking), make it ours under the next lease token, write
+# the attempt's lease row, take its locks in canonical (sorted) order, and log the event.
+# Two claimers racing for one free resource both insert its lock row: the primary key makes
+# the second one's whole statement fail (nothing of it commits), and it claims again (I8).
 PG_CLAIM_CTES = f"""
 candidate AS (
     SELECT id FROM jobs_job
     WHERE state = 'queued' AND run_at <= statement_timestamp() {{lane_filter}}
+      AND (locks = '[]'::jsonb OR NOT EXISTS (
+            SELECT 1 FROM jobs_joblock AS held
+            WHERE held.resource IN (SELECT jsonb_array_elements_text(jobs_job.locks))))
     ORDER BY priority DESC, run_at, id
     LIMIT 1
     FOR UPDATE SKIP LOCKED
@@ -101,10 +109,20 @@ candidate AS (
            'running', '', '', '', '{{{{}}}}'::jsonb
     FROM claimed
     RETURNING id
+), taken_locks AS (
+    INSERT INTO jobs_joblock (resource, job_id, lease_token, acquired_at)
+    SELECT lock.resource, claimed.id, claimed.lease_token, statement_timestamp()
+    FROM claimed, jsonb_array_elements_text(claimed.locks) WITH ORDINALITY AS lock(resource, n)
+    ORDER BY lock.n
+), claim_event AS (
+    INSERT INTO jobs_jobevent (job_id, at, event, lease_token, worker_id, data)
+    SELECT id, statement_timestamp(), 'claimed', lease_token, %(worker)s::text,
+           jsonb_build_object('attempt', attempts, 'expires_at', lease_expires_at)
+    FROM claimed
 )"""
 
-# The settle, as CTEs: fenced by state and lease token; the lease row is updated only if
-# the job row was.
+# The settle, as CTEs: fenced by state and lease token; the lease row, the lock release and
+# the event are written only if the job row was.
 PG_SETTLE_CTES = """
 settled AS (
     UPDATE jobs_job SET
@@ -120,14 +138,24 @@ settled AS (
         lease_expires_at = NULL,
         updated_at = statement_timestamp()
     WHERE id = %(job_id)s::bigint AND state = 'running' AND lease_token = %(token)s::bigint
-    RETURNING id
+    RETURNING id, cancel_requested
 ), settled_lease AS (
     UPDATE jobs_lease SET
         outcome = %(outcome)s::text, released_at = statement_timestamp(),
         error_class = %(error_class)s::text, error_message = %(error_message)s::text,
         traceback = %(traceback)s::text, context = %(context)s::jsonb
     WHERE id = %(lease_id)s::bigint AND EXISTS (SELECT 1 FROM settled)
-    RETURNING id
+    RETURNING worker_id
+), released_locks AS (
+    DELETE FROM jobs_joblock
+    WHERE job_id = %(job_id)s::bigint AND lease_token = %(token)s::bigint
+      AND EXISTS (SELECT 1 FROM settled)
+), settle_event AS (
+    INSERT INTO jobs_jobevent (job_id, at, event, lease_token, worker_id, data)
+    SELECT settled.id, statement_timestamp(), 'settled', %(token)s::bigint, settled_lease.worker_id,
+           jsonb_build_object('state', %(state)s::text, 'outcome', %(outcome)s::text,
+                              'cancel_requested', settled.cancel_requested)
+    FROM settled CROSS JOIN settled_lease
 )"""
 
 PG_CLAIM = f"""
@@ -154,14 +182,16 @@ FROM (SELECT 1) AS one LEFT JOIN claimed ON true LEFT JOIN lease ON true
 PG_LOCK_LANE = "SELECT pg_advisory_xact_lock(hashtext('holdfast.lane:' || %s::text))"
 
 BULK_INSERT_CHUNK = 10_000
+MAX_LOCK_RACES = 50  # each lost race means another claimer's lock committed: progress
 
 # Bulk enqueue: the options are the same for every job, only the args differ, so one
 # JSON array parameter carries them; ORDINALITY keeps RETURNING in the caller's order.
 PG_INSERT_JOBS = """
-INSERT INTO jobs_job (kind, lane, args, priority, state, run_at, attempts, max_attempts,
+INSERT INTO jobs_job (kind, lane, args, locks, priority, state, run_at, attempts, max_attempts,
                       lease_seconds, lease_token, cancel_requested, last_error,
                       created_at, updated_at)
-SELECT %(kind)s, %(lane)s, a.args, %(priority)s, 'queued',
+SELECT %(kind)s, %(lane)s, a.args, COALESCE(%(locks)s::jsonb -> (a.n::int - 1), '[]'::jsonb),
+       %(priority)s, 'queued',
        COALESCE(%(run_at)s::timestamptz,
                 statement_timestamp() + %(delay)s * interval '1 second'),
        0, %(max_attempts)s, %(lease_seconds)s, 0, false, '',
@@ -188,6 +218,9 @@ UPDATE jobs_job SET
 WHERE id = (
     SELECT id FROM jobs_job
     WHERE state = 'queued' AND run_at <= {SQLITE_NOW} {{lane_filter}}
+      AND (locks = '[]' OR NOT EXISTS (
+            SELECT 1 FROM jobs_joblock AS held
+            WHERE held.resource IN (SELECT value FROM json_each(jobs_job.locks))))
     ORDER BY priority DESC, run_at, id
     LIMIT 1
 )
@@ -200,6 +233,20 @@ INSERT INTO jobs_lease (job_id, attempt, lease_token, worker_id, acquired_at, ex
 VALUES (%(job_id)s, %(attempt)s, %(token)s, %(worker)s, {SQLITE_NOW}, %(expires)s,
         'running', '', '', '', '{{}}')
 RETURNING id
+"""
+
+SQLITE_TAKE_LOCKS = f"""
+INSERT INTO jobs_joblock (resource, job_id, lease_token, acquired_at)
+SELECT value, %(job_id)s, %(token)s, {SQLITE_NOW} FROM json_each(%(locks)s) ORDER BY key
+"""
+
+SQLITE_EVENT = f"""
+INSERT INTO jobs_jobevent (job_id, at, event, lease_token, worker_id, data)
+VALUES (%(job_id)s, {SQLITE_NOW}, %(event)s, %(token)s, %(worker)s, %(data)s)
+"""
+
+SQLITE_RELEASE_LOCKS = """
+DELETE FROM jobs_joblock WHERE job_id = %(job_id)s AND lease_token = %(token)s
 """
 
 SQLITE_SETTLE_JOB = f"""
@@ -216,6 +263,7 @@ UPDATE jobs_job SET
     lease_expires_at = NULL,
     updated_at = {SQLITE_NOW}
 WHERE id = %(job_id)s AND state = 'running' AND lease_token = %(token)s
+RETURNING cancel_requested
 """
 
 SQLITE_SETTLE_LEASE = f"""
@@ -223,6 +271,7 @@ UPDATE jobs_lease SET
     outcome = %(outcome)s, released_at = {SQLITE_NOW}, error_class = %(error_class)s,
     error_message = %(error_message)s, traceback = %(traceback)s, context = %(context)s
 WHERE id = %(lease_id)s
+RETURNING worker_id
 """
 
 
@@ -260,7 +309,26 @@ def settle_and_claim(
     params: dict[str, Any] = {}
     if job is not None and how is not None:
         params.update(_settle_params(job, how))
-    if not (claim and limits):
+    for _ in range(MAX_LOCK_RACES):
+        try:
+            return _settle_and_claim_limited(params, settle, worker_id, lanes, limits)
+        except IntegrityError:
+            # Another claimer took one of the candidate's resource locks first (I8). The
+            # failed statement committed nothing, settle included: run it again; the
+            # winner's lock is visible now, so that candidate is skipped.
+            if not claim or connection.in_atomic_block:
+                raise
+    raise IntegrityError(f"claim lost {MAX_LOCK_RACES} resource-lock races in a row")
+
+
+def _settle_and_claim_limited(
+    params: dict[str, Any],
+    settle: bool,
+    worker_id: str | None,
+    lanes: Sequence[str] | None,
+    limits: Mapping[str, int] | None,
+) -> tuple[bool, Claimed | None]:
+    if not (worker_id is not None and limits):
         return _settle_and_claim(params, settle, worker_id, lanes, excluded=())
     with transaction.atomic():
         if is_postgres():
@@ -352,30 +420,48 @@ def _sqlite_settle_and_claim(
     with transaction.atomic(), connection.cursor() as cursor:  # BEGIN IMMEDIATE
         if settle:
             cursor.execute(SQLITE_SETTLE_JOB, params)
-            settled = cursor.rowcount == 1
+            job_row = cursor.fetchone()
+            settled = job_row is not None
             if settled:
                 cursor.execute(SQLITE_SETTLE_LEASE, params)
+                (worker,) = cursor.fetchone()
+                cursor.execute(SQLITE_RELEASE_LOCKS, params)
+                data = {"state": params["state"], "outcome": params["outcome"]}
+                data["cancel_requested"] = bool(job_row[0])
+                event = {"event": "settled", "worker": worker, "data": json.dumps(data)}
+                cursor.execute(SQLITE_EVENT, {**params, **event})
         if claim:
             cursor.execute(SQLITE_CLAIM.format(lane_filter=lane_filter), params)
             row = cursor.fetchone()
             if row is not None:
-                cursor.execute(
-                    SQLITE_INSERT_LEASE,
-                    {
-                        "job_id": row[0],
-                        "attempt": row[4],
-                        "token": row[6],
-                        "worker": params["worker"],
-                        "expires": row[8],
-                    },
-                )
-                (lease_id,) = cursor.fetchone()
-                claimed = _claimed((*row, lease_id))
+                claimed = _sqlite_take(cursor, row, params["worker"])
     return settled, claimed
 
 
+def _sqlite_take(cursor: Any, row: Sequence[Any], worker: str) -> Claimed:
+    """The rest of a SQLite claim: the lease row, the locks and the event."""
+    params = {
+        "job_id": row[0],
+        "attempt": row[4],
+        "token": row[6],
+        "worker": worker,
+        "expires": row[8],
+        "locks": row[9],
+    }
+    cursor.execute(SQLITE_INSERT_LEASE, params)
+    (lease_id,) = cursor.fetchone()
+    cursor.execute(SQLITE_TAKE_LOCKS, params)
+    data = json.dumps({"attempt": row[4], "expires_at": _as_datetime(row[8]).isoformat()})
+    cursor.execute(SQLITE_EVENT, {**params, "event": "claimed", "data": data})
+    return _claimed((*row, lease_id))
+
+
 def insert_jobs(
-    common: dict[str, Any], args_json: list[str], delay: float | None, run_at: datetime | None
+    common: dict[str, Any],
+    args_json: list[str],
+    locks: list[list[str]] | None,
+    delay: float | None,
+    run_at: datetime | None,
 ) -> list[tuple[int, datetime, datetime]]:
     """PostgreSQL: insert queued jobs sharing ``common`` options; rows in args order."""
     params = {
@@ -387,6 +473,7 @@ def insert_jobs(
         "run_at": run_at,
         "delay": delay or 0.0,
         "args": f"[{','.join(args_json)}]",  # one JSON document, parsed once
+        "locks": json.dumps(locks) if locks else None,
     }
     with connection.cursor() as cursor:
         cursor.execute(PG_INSERT_JOBS, params)
@@ -435,9 +522,11 @@ def _settle_params(job: Claimed, how: Settlement) -> dict[str, Any]:
 
 
 def _claimed(row: Sequence[Any]) -> Claimed:
-    args = row[3]
+    args, locks = row[3], row[9]
     if isinstance(args, str | bytes):
         args = json.loads(args)
+    if isinstance(locks, str | bytes):
+        locks = json.loads(locks)
     return Claimed(
         id=row[0],
         kind=row[1],
@@ -448,7 +537,8 @@ def _claimed(row: Sequence[Any]) -> Claimed:
         lease_token=row[6],
         lease_seconds=row[7],
         lease_expires_at=_as_datetime(row[8]),
-        lease_id=row[9],
+        locks=tuple(locks),
+        lease_id=row[10],
     )
 
 
