@@ -1,21 +1,24 @@
-"""Wake-ups for idle workers: LISTEN/NOTIFY on PostgreSQL, plain polling otherwise.
+"""Wake-ups: LISTEN/NOTIFY on PostgreSQL, plain polling otherwise.
 
 Enqueue sends ``pg_notify('holdfast_jobs', lane)`` inside its transaction, so a worker
 waiting here wakes within milliseconds of the commit. Polling every
 ``HOLDFAST_POLL_SECONDS`` stays as the fallback (delayed jobs, lost notifications, a
-listener connection that broke).
+listener connection that broke). Likewise ``cancel_job`` sends
+``pg_notify('holdfast_cancel', job_id)``, which a busy worker's lease keeper hears at
+once; the heartbeat's own check (at least every 5 s) stays as the fallback.
 """
 
 from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from typing import Any
 
 import psycopg
 from django.db import connection
 
-from .engine import NOTIFY_CHANNEL
+from .engine import CANCEL_CHANNEL, NOTIFY_CHANNEL
 from .log import get_logger
 
 log = get_logger("jobs.notify")
@@ -38,12 +41,12 @@ class PollWaker:
         self.wake()
 
 
-class PostgresWaker(PollWaker):
-    """Waits on a dedicated LISTEN connection; falls back to polling while it is down."""
+class Listener:
+    """A dedicated autocommit connection LISTENing on one channel, reconnected on demand."""
 
-    def __init__(self, settings_dict: dict[str, Any]) -> None:
-        super().__init__()
+    def __init__(self, settings_dict: dict[str, Any], channel: str) -> None:
         self._settings = settings_dict
+        self._channel = channel
         self._conn: psycopg.Connection | None = None
 
     def _connect(self) -> psycopg.Connection | None:
@@ -62,12 +65,53 @@ class PostgresWaker(PollWaker):
                 autocommit=True,
                 connect_timeout=5,
             )
-            conn.execute(f"LISTEN {NOTIFY_CHANNEL}")
+            conn.execute(f"LISTEN {self._channel}")
         except psycopg.Error as exc:
-            log.warning("listen_unavailable", error=str(exc).strip())
+            log.warning("listen_unavailable", channel=self._channel, error=str(exc).strip())
             return None
         self._conn = conn
         return conn
+
+    def _drop(self) -> None:
+        if self._conn is not None:
+            with contextlib.suppress(psycopg.Error):
+                self._conn.close()
+        self._conn = None
+
+    def close(self) -> None:
+        self._drop()
+
+
+class CancelListener(Listener):
+    """The lease keeper's ear for cancel requests (PostgreSQL)."""
+
+    def __init__(self, settings_dict: dict[str, Any]) -> None:
+        super().__init__(settings_dict, CANCEL_CHANNEL)
+
+    def poll(self, timeout: float) -> set[int]:
+        """Wait up to ``timeout`` seconds; return the job ids whose cancel was requested."""
+        conn = self._connect()
+        if conn is None:
+            time.sleep(timeout)
+            return set()
+        try:
+            return {
+                int(note.payload)
+                for note in conn.notifies(timeout=timeout)
+                if note.payload.isdigit()
+            }
+        except psycopg.Error as exc:
+            log.warning("listen_lost", channel=self._channel, error=str(exc).strip())
+            self._drop()
+            return set()
+
+
+class PostgresWaker(PollWaker, Listener):
+    """Waits on a dedicated LISTEN connection; falls back to polling while it is down."""
+
+    def __init__(self, settings_dict: dict[str, Any]) -> None:
+        PollWaker.__init__(self)
+        Listener.__init__(self, settings_dict, NOTIFY_CHANNEL)
 
     def wait(self, timeout: float) -> None:
         conn = self._connect()
@@ -82,12 +126,6 @@ class PostgresWaker(PollWaker):
             self._drop()
             super().wait(min(timeout, 1.0))
 
-    def _drop(self) -> None:
-        if self._conn is not None:
-            with contextlib.suppress(psycopg.Error):
-                self._conn.close()
-        self._conn = None
-
     def close(self) -> None:
         self._drop()
 
@@ -96,3 +134,9 @@ def waker_for_database() -> PollWaker:
     if connection.vendor == "postgresql":
         return PostgresWaker(dict(connection.settings_dict))
     return PollWaker()
+
+
+def cancel_listener_for_database() -> CancelListener | None:
+    if connection.vendor == "postgresql":
+        return CancelListener(dict(connection.settings_dict))
+    return None

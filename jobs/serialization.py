@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
-from .models import Job, Lease
+from .models import Job, JobEvent, JobLock, Lease
 
 
 def timestamp(value: datetime | None) -> str | None:
@@ -27,6 +27,7 @@ def job_dict(job: Job) -> dict[str, Any]:
         "lease_expires_at": timestamp(job.lease_expires_at),
         "run_at": timestamp(job.run_at),
         "unique_key": job.unique_key,
+        "declared_locks": job.locks,
         "cancel_requested": job.cancel_requested,
         "progress": job.progress,
         "result": job.result,
@@ -53,7 +54,21 @@ def lease_dict(lease: Lease) -> dict[str, Any]:
     }
 
 
+def event_dict(event: JobEvent) -> dict[str, Any]:
+    return {
+        "at": timestamp(event.at),
+        "event": event.event,
+        "lease_token": event.lease_token,
+        "worker_id": event.worker_id or None,
+        "data": event.data,
+    }
+
+
 def job_detail_dict(job: Job) -> dict[str, Any]:
+    """A job with its attempts, the resource locks it holds now, and its event log."""
     data = job_dict(job)
     data["leases"] = [lease_dict(lease) for lease in job.leases.order_by("lease_token")]
+    held = JobLock.objects.filter(job_id=job.pk).order_by("resource")
+    data["locks"] = list(held.values_list("resource", flat=True))
+    data["events"] = [event_dict(event) for event in job.events.order_by("pk")]
     return data

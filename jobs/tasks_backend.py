@@ -115,7 +115,7 @@ class HoldfastTask(Task):
     ``max_attempts`` and ``lease_seconds`` default to the backend's OPTIONS, then to
     Holdfast's defaults (10 attempts; ``HOLDFAST_LEASE_SECONDS``). ``locks`` is a list of
     resource names, or a callable that receives the task's arguments and returns one; it
-    is stored on the job for Holdfast's resource locks and is **not enforced yet**.
+    is enforced by Holdfast's resource locks: the job runs only while it holds them all.
     """
 
     max_attempts: int | None = None
@@ -422,7 +422,7 @@ def _exception_class_path(error_class: str) -> str:
 
 
 def _declared_locks(args: dict[str, Any]) -> list[str]:
-    """The resource locks a task's job declares (for the engine's locks; not enforced yet)."""
+    """The resource locks a task's job declares; the engine holds them while it runs."""
     return list(args.get("locks") or [])
 
 

@@ -42,7 +42,7 @@ from . import lanes as lane_config
 from .context import JobContext
 from .exceptions import Cancelled, LeaseLost, PermanentError, UnknownKind
 from .log import bound_context, get_logger
-from .notify import PollWaker, waker_for_database
+from .notify import PollWaker, cancel_listener_for_database, waker_for_database
 from .registry import HandlerSpec, autodiscover, get_handler
 from .scheduler import SchedulerLoop
 from .sql import Claimed
@@ -187,6 +187,9 @@ class WorkerProcess:
         try:
             verdict = self._execute(job, ctx)
             ctx.settling = True  # from here on a heartbeat may rightly find the job settled
+            if ctx.cancel_requested and verdict is not engine.CANCELLED:
+                # Recorded on the job too: its `settled` event says cancel_requested.
+                log.warning("cancel_not_honoured", outcome=verdict.event if verdict else "done")
             return self._settle(job, verdict)
         finally:
             with self._current_lock:
@@ -259,13 +262,20 @@ class WorkerProcess:
         next_reclaim = time.monotonic()
         next_worker_beat = time.monotonic()
         last_job_beat: tuple[int, float] | None = None
+        listener = cancel_listener_for_database()
         try:
-            while not self._keeper_stop.wait(0.25):
+            while not self._keeper_stop.is_set():
+                cancels = listener.poll(0.25) if listener else set()
+                if listener is None:
+                    self._keeper_stop.wait(0.25)
                 now = time.monotonic()
                 with self._current_lock:
                     current = self.current
                 if current is not None:
                     job, ctx = current
+                    if job.id in cancels and not ctx.cancel_requested:
+                        log.info("cancel_request_heard", job_id=job.id)
+                        ctx.mark_cancel_requested()
                     interval = min(job.lease_seconds / 3, 5.0)
                     if last_job_beat is None or last_job_beat[0] != job.lease_id:
                         last_job_beat = (job.lease_id, now)
@@ -283,6 +293,8 @@ class WorkerProcess:
                     next_reclaim = now + reclaim_every
                     self._quietly(engine.reclaim_expired)
         finally:
+            if listener is not None:
+                listener.close()
             close_old_connections()
             connection.close()
 

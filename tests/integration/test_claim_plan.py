@@ -1,5 +1,7 @@
 """Claim cost stays flat however many finished jobs the table holds (partial indexes)."""
 
+import re
+
 import pytest
 from django.db import connection
 
@@ -28,5 +30,5 @@ def test_claim_reads_only_runnable_rows_in_claim_order(lanes):
     lane_filter = "" if lanes is None else "AND lane = ANY(%(lanes)s)"
     plan = explain(lane_filter, {"lanes": lanes})
     assert "job_claim_idx" in plan or "job_claim_any_lane_idx" in plan, plan
-    assert "Seq Scan on jobs_job" not in plan, plan
+    assert not re.search(r"Seq Scan on jobs_job\b", plan), plan
     assert "Sort" not in plan.split("CTE claimed")[0], plan  # index order, no sort

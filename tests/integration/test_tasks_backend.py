@@ -323,7 +323,8 @@ def test_enqueue_writes_one_job_in_the_callers_transaction(settings):
 def test_task_options_and_backend_defaults_reach_the_job():
     job = Job.objects.get(pk=int(tasks.with_options.enqueue("mon").id))
     assert (job.max_attempts, job.lease_seconds) == (4, 7.5)
-    assert job.args["locks"] == ["reports"]  # stored; not enforced yet
+    assert job.args["locks"] == ["reports"]
+    assert job.locks == ["reports"]  # the engine holds it while the task runs
     job = Job.objects.get(pk=int(tasks.transfer.enqueue(7, amount=5).id))
     assert job.args["locks"] == ["account:7"]
     assert "locks" not in Job.objects.get(pk=int(tasks.add.enqueue(1, 1).id)).args

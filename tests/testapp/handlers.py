@@ -6,13 +6,14 @@ from datetime import timedelta
 from typing import Any
 
 from django.db.models import F
+from django.db.models.functions import Now
 from django.utils import timezone
 
 from jobs import PermanentError, enqueue, handler
 from jobs.context import JobContext
 from jobs.refresh import refresher
 
-from .models import Document, Effect
+from .models import Document, Effect, Span
 
 
 def _effect(ctx: JobContext, label: str) -> None:
@@ -142,3 +143,24 @@ def refresh_document(ctx: JobContext, *, document_id: int) -> None:
         Document.objects.filter(pk=document_id).update(
             refresh_after=timezone.now() + timedelta(days=28), refreshed=F("refreshed") + 1
         )
+
+
+def _resources(args: dict[str, Any]) -> list[str]:
+    return args["resources"]  # unchecked on purpose: the engine validates what locks return
+
+
+@handler("test.locked", backoff=0, max_attempts=20, lease_seconds=2, locks=_resources)
+def locked(ctx: JobContext, *, resources: list[str], seconds: float = 0.05) -> str:
+    """Holds its resource locks for ``seconds``, recording its span by the database clock."""
+    with ctx.atomic():
+        Span.objects.create(
+            job_id=ctx.job_id,
+            lease_token=ctx.lease_token,
+            resources=resources,
+            worker_id=ctx.worker_id,
+            started_at=Now(),
+        )
+    time.sleep(seconds)
+    with ctx.atomic(complete=True, result="done"):
+        Span.objects.filter(job_id=ctx.job_id, lease_token=ctx.lease_token).update(ended_at=Now())
+    return "done"

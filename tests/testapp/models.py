@@ -23,3 +23,21 @@ class Document(models.Model):
 
     def __str__(self) -> str:
         return self.url
+
+
+class Span(models.Model):
+    """When one attempt of a lock-holding job ran, by the database clock.
+
+    ``started_at`` commits in a fenced block as the handler starts, ``ended_at`` together
+    with the job's completion: conflicting jobs' spans must never overlap (I8).
+    """
+
+    job_id = models.BigIntegerField()
+    lease_token = models.BigIntegerField()
+    resources = models.JSONField(default=list)
+    worker_id = models.CharField(max_length=200, default="")
+    started_at = models.DateTimeField()
+    ended_at = models.DateTimeField(null=True)
+
+    def __str__(self) -> str:
+        return f"span of job {self.job_id} (token {self.lease_token})"

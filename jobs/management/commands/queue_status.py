@@ -25,7 +25,8 @@ class Command(JobsCommand):
             )
         write(f"{'total':<16}" + "".join(f"{status['totals'][s]:>11}" for s in states))
         write(f"\ndead jobs: {status['dead']}   delayed (not yet due): {status['delayed']}")
-        write(f"live leases: {len(status['live_leases'])}")
+        leases, locks = len(status["live_leases"]), status["locks_held"]
+        write(f"live leases: {leases}   resource locks held: {locks}")
         for lease in status["live_leases"]:
             flag = "  EXPIRED" if lease["expired"] else ""
             write(

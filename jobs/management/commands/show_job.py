@@ -19,7 +19,7 @@ class Command(JobsCommand):
         if options["as_json"]:
             self.emit_json(data)
             return
-        leases = data.pop("leases")
+        leases, events = data.pop("leases"), data.pop("events")
         for key, value in data.items():
             if value not in (None, "", {}):
                 self.stdout.write(f"{key:>17}: {value}")
@@ -37,3 +37,9 @@ class Command(JobsCommand):
                     self.stdout.write(f"    | {line}")
             if lease["context"]:
                 self.stdout.write(f"    context: {lease['context']}")
+        self.stdout.write(f"\nevents ({len(events)}):")
+        for event in events:
+            token = f" token {event['lease_token']}" if event["lease_token"] is not None else ""
+            worker = f" on {event['worker_id']}" if event["worker_id"] else ""
+            details = f"  {event['data']}" if event["data"] else ""
+            self.stdout.write(f"  {event['at']}  {event['event']}{token}{worker}{details}")
