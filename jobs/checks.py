@@ -18,7 +18,8 @@ def check_lanes_and_schedules(app_configs: Any = None, **kwargs: Any) -> list[ch
     except (ValueError, TypeError) as exc:
         errors.append(checks.Error(str(exc), obj="HOLDFAST_LANES", id="holdfast.E001"))
     try:
-        schedules.declared()
+        # Not the providers: they read rows, and checks also run before ``migrate``.
+        schedules.declared(providers=False)
     except ImproperlyConfigured as exc:
         errors.append(checks.Error(str(exc), obj="HOLDFAST_SCHEDULES", id="holdfast.E002"))
     return errors

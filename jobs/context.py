@@ -33,6 +33,8 @@ class JobContext:
         self.result: Any = None
         self._lease_lost = threading.Event()
         self._cancel_requested = threading.Event()
+        if job.cancel_requested:  # asked while an earlier attempt ran, and not honoured
+            self._cancel_requested.set()
 
     job_id = property(lambda self: self.job.id)
     kind = property(lambda self: self.job.kind)

@@ -96,7 +96,7 @@ def schedule_provider(name: str) -> Callable[[ScheduleProvider], ScheduleProvide
     return register
 
 
-def declared() -> dict[str, Declared]:
+def declared(providers: bool = True) -> dict[str, Declared]:
     """Every schedule declared by a handler, a provider or ``HOLDFAST_SCHEDULES``, by name."""
     found: dict[str, Declared] = {}
     for spec in all_handlers():  # also imports every app's handlers.py, and its providers
@@ -107,7 +107,7 @@ def declared() -> dict[str, Declared]:
         else:
             every = float(spec.schedule)
             found[spec.kind] = Declared(spec.kind, spec.kind, every=every, origin="handler")
-    for provider in _providers.values():
+    for provider in _providers.values() if providers else ():
         for declaration in provider():
             found[declaration.name] = declaration
     if refresh.registered():

@@ -45,6 +45,7 @@ class Claimed:
     lease_seconds: float
     lease_expires_at: datetime
     locks: tuple[str, ...]
+    cancel_requested: bool  # a request that outlived an earlier attempt
     lease_id: int
 
 
@@ -66,7 +67,7 @@ class Settlement:
 
 CLAIMED_COLUMNS = (
     "id, kind, lane, args, attempts, max_attempts, lease_token, lease_seconds, lease_expires_at, "
-    "locks"
+    "locks, cancel_requested"
 )
 
 
@@ -538,7 +539,8 @@ def _claimed(row: Sequence[Any]) -> Claimed:
         lease_seconds=row[7],
         lease_expires_at=_as_datetime(row[8]),
         locks=tuple(locks),
-        lease_id=row[10],
+        cancel_requested=bool(row[10]),
+        lease_id=row[11],
     )
 
 

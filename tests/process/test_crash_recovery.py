@@ -15,7 +15,9 @@ import pytest
 from jobs.engine import enqueue, enqueue_many
 from jobs.models import Job, Lease, Outcome, State
 from tests.process.helpers import (
+    assert_engine_invariants,
     concurrent_jobs_per_worker,
+    conflicting_spans,
     job_summary,
     overlapping_leases,
     stop_outside_transaction,
@@ -70,6 +72,7 @@ def test_sigkill_mid_job_is_reclaimed_and_completed_by_another_worker(
     assert effects_of(job.pk) == [("progress", 2, 2), ("complete", 2, 2)]
     assert rescuer.events("lease_reclaimed", job_id=job.pk, lease_token=1)
     assert rescuer.alive
+    assert_engine_invariants(context=workers.describe())
 
 
 def _freeze_past_lease(
@@ -122,6 +125,7 @@ def test_sigstopped_worker_cannot_write_after_its_lease_was_reclaimed(
     follow_up = enqueue("test.echo", {"after": "sigcont"})
     wait_for_job(follow_up.pk, State.SUCCEEDED, workers)
     assert frozen.alive and rescuer.alive
+    assert_engine_invariants(context=workers.describe())
 
 
 def test_sigstopped_worker_cannot_complete_after_its_lease_was_reclaimed(
@@ -142,6 +146,7 @@ def test_sigstopped_worker_cannot_complete_after_its_lease_was_reclaimed(
     leases = dict(Lease.objects.filter(job_id=job.pk).values_list("lease_token", "outcome"))
     assert leases == {1: Outcome.LEASE_EXPIRED, 2: Outcome.SUCCEEDED}
     assert frozen.alive
+    assert_engine_invariants(context=workers.describe())
 
 
 def _eventually(predicate: Callable[[], bool], timeout: float) -> bool:
@@ -165,6 +170,12 @@ def test_random_sigkills_under_load_apply_every_effect_exactly_once(
 ) -> None:
     rng = random.Random(20261130)
     total = 80
+    # Lock-holding jobs first in line: a kill mid-job leaves their locks to the reclaimer.
+    resource_sets = [["x"], ["x", "y"], ["y"]]
+    locked_jobs = enqueue_many(
+        "test.locked", [{"resources": resource_sets[n % 3], "seconds": 0.2} for n in range(12)]
+    )
+    locked = [job.pk for job in locked_jobs]
     jobs = enqueue_many("test.effect", [{"sleep": 0.2} for _ in range(total)])
     ids = [job.pk for job in jobs]
 
@@ -230,3 +241,10 @@ def test_random_sigkills_under_load_apply_every_effect_exactly_once(
     assert concurrent_jobs_per_worker(ids) == []
     # The kills landed mid-job: some attempts were recovered by lease expiry.
     assert Lease.objects.filter(job_id__in=ids, outcome=Outcome.LEASE_EXPIRED).exists()
+    wait_until(
+        lambda: Job.objects.filter(pk__in=locked, state=State.SUCCEEDED).count() == len(locked),
+        20,
+        message=lambda: f"{job_summary(locked)}\n{workers.describe()}",
+    )
+    assert conflicting_spans(locked) == []
+    assert_engine_invariants(context=workers.describe())

@@ -16,6 +16,7 @@ import psycopg
 import pytest
 
 from tests.conftest import subprocess_env
+from tests.process.helpers import assert_engine_invariants
 from tests.support.pgcluster import Cluster
 from tests.support.workers import WorkerPool, wait_until
 
@@ -132,6 +133,7 @@ def test_workers_survive_database_crashes_and_apply_each_effect_once(
             "WHERE a.released_at IS NULL OR a.released_at > b.acquired_at"
         )
         assert overlapping == []
+        assert_engine_invariants(probe.rows, context=describe())
 
         # And they still stop cleanly.
         for worker in workers:

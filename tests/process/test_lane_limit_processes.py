@@ -10,6 +10,7 @@ from django.test import override_settings
 
 from jobs.engine import enqueue_many
 from jobs.models import Job, Lease, State
+from tests.process.helpers import assert_engine_invariants
 from tests.support.workers import WorkerPool, wait_until
 
 pytestmark = [pytest.mark.process, pytest.mark.timeout(90)]
@@ -34,3 +35,4 @@ def test_four_workers_run_a_max_running_1_lane_one_job_at_a_time(workers: Worker
     for proc in procs:
         proc.terminate()
         assert proc.wait_exit(20) == 0, proc.describe()
+    assert_engine_invariants(context=workers.describe())

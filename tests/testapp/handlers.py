@@ -164,3 +164,41 @@ def locked(ctx: JobContext, *, resources: list[str], seconds: float = 0.05) -> s
     with ctx.atomic(complete=True, result="done"):
         Span.objects.filter(job_id=ctx.job_id, lease_token=ctx.lease_token).update(ended_at=Now())
     return "done"
+
+
+def _wait_for_gate(gate: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(gate):
+        if time.monotonic() >= deadline:
+            raise RuntimeError(f"the test never opened the gate {gate}")
+        time.sleep(0.02)
+
+
+@handler("test.cancel_point", backoff=0, max_attempts=1, lease_seconds=1.5, locks=_resources)
+def cancel_point(
+    ctx: JobContext,
+    *,
+    gate: str,
+    marker: str,
+    progress: bool = False,
+    honour: bool = True,
+    resources: list[str] | None = None,
+) -> str:
+    """Waits at a gate (a file the test creates) while the test requests cancellation.
+
+    With ``progress`` it first commits a progress report. After the gate its first safe
+    point is inside a fenced block that has written an effect: honouring the request
+    rolls that effect back; with ``honour=False`` the handler ignores it and completes.
+    The short lease makes the worker's heartbeat (its fallback way to hear a cancel
+    request) come every half second.
+    """
+    if progress:
+        ctx.progress(1, 2, "before the gate")
+    with open(marker, "w") as handle:
+        handle.write(str(os.getpid()))
+    _wait_for_gate(gate)
+    with ctx.atomic():
+        _effect(ctx, "after the gate")
+        if honour and ctx.cancel_requested:
+            raise ctx.Cancelled()
+    return "finished"

@@ -1,0 +1,179 @@
+"""Cancellation at every phase of a job's life, driven through the engine (issue #6).
+
+Each test plays the worker's part by hand (claim, ``ctx``, heartbeat, settle) so that the
+cancel request lands at an exact point: while queued, just after the claim, between two
+commits of the handler, and after the handler returned but before its settle. The same
+phases with real worker processes are in ``tests/process/test_cancel_phases.py``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from jobs import Cancelled, StateConflict, engine
+from jobs.context import JobContext
+from jobs.models import Job, Lease, Outcome, State
+from jobs.sql import Claimed
+from tests.testapp.models import Effect
+
+from .helpers import claim_one, expire_lease
+
+pytestmark = pytest.mark.django_db
+
+
+def event_log(job_id: int) -> list[tuple[str, int | None, dict[str, Any]]]:
+    return [(e.event, e.lease_token, e.data) for e in engine.events(job_id)]
+
+
+def effect(ctx: JobContext, label: str) -> None:
+    Effect.objects.create(
+        job_id=ctx.job_id, attempt=ctx.attempt, lease_token=ctx.lease_token, label=label
+    )
+
+
+def request_cancel(claimed: Claimed, ctx: JobContext) -> None:
+    """Cancel a running job and let its worker hear it, as its lease keeper would."""
+    assert engine.cancel(claimed.id, actor="tester").state == State.RUNNING
+    assert not ctx.cancel_requested  # nothing reaches the handler until the worker hears
+    ctx.heartbeat()
+    assert ctx.cancel_requested
+
+
+def test_a_queued_job_is_cancelled_at_once_and_never_claimed() -> None:
+    job = engine.enqueue("test.locked", {"resources": ["r1"]})
+    cancelled = engine.cancel(job.pk, actor="tester")
+    assert cancelled.state == State.CANCELLED
+    assert cancelled.finished_at is not None and cancelled.cancel_requested
+    assert event_log(job.pk) == [("cancelled", None, {"by": "tester"})]
+
+    assert engine.claim("w1") is None
+    assert not Lease.objects.filter(job_id=job.pk).exists()
+    assert not engine.held_locks().exists()
+    with pytest.raises(StateConflict):
+        engine.cancel(job.pk)
+    assert len(event_log(job.pk)) == 1
+
+
+def test_a_cancel_just_after_the_claim_stops_the_job_at_its_first_safe_point() -> None:
+    engine.enqueue("test.locked", {"resources": ["r2", "r1"]})
+    claimed = claim_one("w1")
+    ctx = JobContext(claimed, "w1")
+    assert [lock.resource for lock in engine.held_locks(claimed.id)] == ["r1", "r2"]
+
+    request_cancel(claimed, ctx)
+    running = Job.objects.get(pk=claimed.id)
+    assert (running.state, running.cancel_requested) == (State.RUNNING, True)
+    engine.cancelled(claimed)  # the handler's first check raised ctx.Cancelled
+
+    job = Job.objects.get(pk=claimed.id)
+    assert job.state == State.CANCELLED and job.progress is None
+    assert Lease.objects.get(job_id=job.pk).outcome == Outcome.CANCELLED
+    token = claimed.lease_token
+    assert [(name, lease) for name, lease, _ in event_log(job.pk)] == [
+        ("claimed", token),
+        ("cancel_requested", token),
+        ("settled", token),
+    ]
+    assert event_log(job.pk)[-1][2] == {
+        "state": "cancelled",
+        "outcome": "cancelled",
+        "cancel_requested": True,
+    }
+    assert engine.events(job.pk).get(event="cancel_requested").worker_id == "w1"
+    # The cancelled attempt let go of its resources in the same commit.
+    assert not engine.held_locks().exists()
+    waiting = engine.enqueue("test.locked", {"resources": ["r1"]})
+    assert claim_one("w2").id == waiting.pk
+
+
+def test_a_cancel_mid_progress_keeps_committed_progress_and_rolls_back_the_rest() -> None:
+    engine.enqueue("test.cancellable")
+    claimed = claim_one("w1")
+    ctx = JobContext(claimed, "w1")
+    ctx.progress(1, 3, "first step")
+    with ctx.atomic():
+        effect(ctx, "first step")
+
+    request_cancel(claimed, ctx)
+    with pytest.raises(Cancelled), ctx.atomic():
+        effect(ctx, "second step")  # uncommitted when the handler reaches its safe point
+        if ctx.cancel_requested:
+            raise ctx.Cancelled()
+    engine.cancelled(claimed)
+
+    job = Job.objects.get(pk=claimed.id)
+    assert job.state == State.CANCELLED
+    assert job.progress == {"done": 1, "total": 3, "note": "first step"}
+    assert list(Effect.objects.values_list("label", flat=True)) == ["first step"]
+    assert [name for name, _, _ in event_log(job.pk)] == [
+        "claimed",
+        "progress",
+        "cancel_requested",
+        "settled",
+    ]
+    assert event_log(job.pk)[-1][2]["state"] == "cancelled"
+
+
+def test_a_cancel_after_the_handler_returned_leaves_its_completion_standing() -> None:
+    engine.enqueue("test.echo", {"n": 1})
+    claimed = claim_one("w1")
+    ctx = JobContext(claimed, "w1")
+    result = {"n": 1}  # the handler has returned; the worker has yet to settle
+
+    request_cancel(claimed, ctx)
+    engine.settle_and_claim(claimed, engine.succeeded(result), None, None)
+
+    job = Job.objects.get(pk=claimed.id)
+    assert (job.state, job.result, job.cancel_requested) == (State.SUCCEEDED, result, True)
+    assert Lease.objects.get(job_id=job.pk).outcome == Outcome.SUCCEEDED
+    # Recorded as not honoured: the completion stands, and the log says it was asked.
+    assert event_log(job.pk)[-1] == (
+        "settled",
+        claimed.lease_token,
+        {"state": "succeeded", "outcome": "succeeded", "cancel_requested": True},
+    )
+    with pytest.raises(StateConflict):
+        engine.cancel(job.pk)
+
+
+def test_a_cancel_after_the_completion_committed_is_refused() -> None:
+    engine.enqueue("test.effect")
+    claimed = claim_one("w1")
+    ctx = JobContext(claimed, "w1")
+    with ctx.atomic(complete=True, result="done"):
+        effect(ctx, "complete")
+
+    with pytest.raises(StateConflict):
+        engine.cancel(claimed.id)
+    job = Job.objects.get(pk=claimed.id)
+    assert (job.state, job.cancel_requested) == (State.SUCCEEDED, False)
+    assert [name for name, _, _ in event_log(job.pk)] == ["claimed", "settled"]
+    assert event_log(job.pk)[-1][2]["cancel_requested"] is False
+
+
+def test_a_cancel_request_outlives_an_attempt_that_died_and_reaches_the_next_one() -> None:
+    """The worker died before hearing the request: the job is reclaimed and runs again,
+    and the next attempt knows of the request from its claim, then honours it."""
+    engine.enqueue("test.cancellable")
+    first = claim_one("w1")
+    assert engine.cancel(first.id).state == State.RUNNING
+    expire_lease(first.id)
+    assert engine.reclaim_expired() == [first.id]
+    requeued = Job.objects.get(pk=first.id)
+    assert (requeued.state, requeued.cancel_requested) == (State.QUEUED, True)
+
+    second = claim_one("w2")
+    assert second.cancel_requested
+    assert JobContext(second, "w2").cancel_requested
+    engine.cancelled(second)
+    assert Job.objects.get(pk=first.id).state == State.CANCELLED
+    assert [name for name, _, _ in event_log(first.id)] == [
+        "claimed",
+        "cancel_requested",
+        "heartbeat_missed",
+        "reclaimed",
+        "claimed",
+        "settled",
+    ]
