@@ -6,16 +6,23 @@ SHELL := /bin/bash
 VENV := .venv
 ARGS ?=
 
-.PHONY: help bootstrap demo test lint format bench clean
+.PHONY: help bootstrap demo demo-sources test lint format bench clean
 
 help:
-	@echo "make demo | test [ARGS=...] | lint | format | bench | clean  (see DEVELOPERS.md)"
+	@echo "make demo | demo-sources | test [ARGS=...] | lint | format | bench | clean  (see DEVELOPERS.md)"
 
 bootstrap:
 	@bash scripts/bootstrap.sh
 
 demo:
 	@bash scripts/demo.sh
+
+# The pull side of ingestion on a local fixture site: discovery, fetch, index, search and a
+# missing_from_source issue, on a fresh SQLite database under var/demo-sources.
+demo-sources: bootstrap
+	rm -rf var/demo-sources
+	env -u DATABASE_URL HOLDFAST_VAR_DIR=var/demo-sources $(VENV)/bin/python manage.py migrate --noinput -v0
+	env -u DATABASE_URL HOLDFAST_VAR_DIR=var/demo-sources LOG_LEVEL=WARNING $(VENV)/bin/python manage.py demo_sources
 
 test:
 	@bash scripts/test.sh $(ARGS)

@@ -86,15 +86,15 @@ WSGI_APPLICATION = "config.wsgi.application"
 ASGI_APPLICATION = "config.asgi.application"
 
 
-def database_config() -> dict[str, Any]:
-    url = os.environ.get("DATABASE_URL", "").strip()
+def database_config(variable: str = "DATABASE_URL") -> dict[str, Any]:
+    url = os.environ.get(variable, "").strip()
     if not url:
         VAR_DIR.mkdir(parents=True, exist_ok=True)
         url = f"sqlite:///{VAR_DIR / 'holdfast.sqlite3'}"
     try:
         config: dict[str, Any] = dict(dj_database_url.parse(url))
     except Exception as exc:  # dj-database-url raises several types for bad URLs
-        raise ImproperlyConfigured(f"DATABASE_URL is not a usable database URL: {exc}") from None
+        raise ImproperlyConfigured(f"{variable} is not a usable database URL: {exc}") from None
     engine = config["ENGINE"]
     if engine == "django.db.backends.sqlite3":
         # WAL lets readers run beside one writer; IMMEDIATE takes the write lock at BEGIN,
@@ -118,12 +118,20 @@ def database_config() -> dict[str, Any]:
             config["TEST"] = {"NAME": dj_database_url.parse(test_url)["NAME"]}
     else:
         raise ImproperlyConfigured(
-            f"DATABASE_URL must name PostgreSQL or SQLite, got engine {engine!r}"
+            f"{variable} must name PostgreSQL or SQLite, got engine {engine!r}"
         )
     return config
 
 
 DATABASES = {"default": database_config()}
+# The spool ingester's own connection, e.g. as HOLDFAST_INGESTER_DB_ROLE (docs/ingestion.md,
+# "Least privilege"); unset, the ingester uses "default". Under test it is a mirror of the
+# test database, connecting with its own user.
+if os.environ.get("HOLDFAST_INGESTER_DATABASE_URL", "").strip():
+    DATABASES["ingester"] = {
+        **database_config("HOLDFAST_INGESTER_DATABASE_URL"),
+        "TEST": {"MIRROR": "default"},
+    }
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 USE_TZ = True
@@ -147,6 +155,13 @@ HOLDFAST_LANES: dict[str, dict] = {"default": {}}
 HOLDFAST_SCHEDULES: dict[str, dict] = {}
 # How often the built-in refresh job asks each registered refresher for due refreshes.
 HOLDFAST_REFRESH_SECONDS = env_number("HOLDFAST_REFRESH_SECONDS", 300)
+# Polite HTTP for sources and artifacts (ingestion/http.py, docs/sources.md).
+HOLDFAST_USER_AGENT = (
+    os.environ.get("HOLDFAST_USER_AGENT", "").strip()
+    or "Holdfast/0.1 (+https://github.com/holdfast; ingestion bot)"
+)
+HOLDFAST_FETCH_TIMEOUT_SECONDS = env_number("HOLDFAST_FETCH_TIMEOUT_SECONDS", 20)
+HOLDFAST_FETCH_MAX_BYTES = int(env_number("HOLDFAST_FETCH_MAX_BYTES", 10 * 1024 * 1024))
 # Django's Tasks framework runs on Holdfast (docs/django-tasks.md): `@task` functions are
 # enqueued as `django.task` jobs and run by `manage.py runworker`, with leases and retries.
 # (Django's own default, the ImmediateBackend, would run them inline in the caller.)
@@ -177,3 +192,7 @@ SPECTACULAR_SETTINGS = {
     "SERVE_INCLUDE_SCHEMA": False,
     "COMPONENT_SPLIT_REQUEST": True,
 }
+
+# Full-text search over artifacts (ingestion/search.py). The PostgreSQL text-search
+# configuration used to index and to query; after changing it, re-index the artifacts.
+HOLDFAST_SEARCH_CONFIG = os.environ.get("HOLDFAST_SEARCH_CONFIG", "").strip() or "english"

@@ -1,9 +1,14 @@
 """Least privilege for the spool ingester on PostgreSQL (issue 5).
 
-When ``HOLDFAST_INGESTER_DB_ROLE`` names a role, the migration that creates the
-ingestion tables is followed by one that grants that role exactly what applying
-submissions needs, so a new table never ships without its GRANT. Nothing happens on
-SQLite or when the setting is unset.
+Two halves, both optional:
+
+* When ``HOLDFAST_INGESTER_DB_ROLE`` names a role, the migration that creates the
+  ingestion tables is followed by one that grants that role exactly what applying
+  submissions needs, so a new table never ships without its GRANT. Nothing happens on
+  SQLite or when the setting is unset.
+* When ``HOLDFAST_INGESTER_DATABASE_URL`` is set (the database alias ``ingester``, which
+  logs in as that role), every database access of the spool ingester goes through that
+  alias (:func:`ingester_database`); unset, the ingester uses ``default``.
 """
 
 from __future__ import annotations
@@ -11,7 +16,11 @@ from __future__ import annotations
 from typing import Any
 
 from django.conf import settings
+from django.db import DEFAULT_DB_ALIAS
 from psycopg import sql
+
+#: The database alias the spool ingester uses when it is configured.
+INGESTER_ALIAS = "ingester"
 
 # table -> privileges: labs and facts are upserted, acks and issues only inserted.
 PRIVILEGES = {
@@ -22,6 +31,12 @@ PRIVILEGES = {
 }
 # The tables whose id comes from a sequence (ingested_submissions is keyed by hash).
 WITH_SEQUENCE = ("labs", "facts", "ingestion_reconciliationissue")
+
+
+def ingester_database() -> str:
+    """The alias of every database access the spool ingester makes: ``ingester`` when
+    ``DATABASES`` has it (``HOLDFAST_INGESTER_DATABASE_URL``), else ``default``."""
+    return INGESTER_ALIAS if INGESTER_ALIAS in settings.DATABASES else DEFAULT_DB_ALIAS
 
 
 def ingester_role() -> str:

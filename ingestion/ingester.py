@@ -6,16 +6,21 @@
           ▲                             │                       │
           └──────────── outcomes (applied, quarantined, retry, gone) ◄──┘
 
-* The **monitor** scans ``incoming/``, hands each new name to the readers once, and
-  watches: the writer's exit code (a crashed writer stops the run, exit 1), the stuck
-  rule (work pending, nothing applied or quarantined for ``stuck_after`` seconds: the
-  children are killed, every file stays, exit 1) and the grace rule (a file waiting
-  longer than ``grace`` seconds: the same, so an operator is alerted rather than data
-  silently aging). It never touches the database.
+* The **monitor** scans ``incoming/`` (every ``scan_seconds`` while files are in
+  flight, at every poll otherwise), hands each new name to the readers once, in lists of
+  up to :data:`HANDOUT_FILES`, and watches: the writer's exit code (a crashed writer
+  stops the run, exit 1), the stuck rule (work pending, nothing applied or quarantined
+  for ``stuck_after`` seconds: the children are killed, every file stays, exit 1) and
+  the grace rule (a file waiting longer than ``grace`` seconds: the same, so an operator
+  is alerted rather than data silently aging). It never touches the database.
 * **Readers** read, hash, parse and validate files and store log excerpts in the blob
-  store (:func:`ingestion.spool.read_entry`); no database.
+  store (:func:`ingestion.spool.read_entry`), and pass the entries of each list on as
+  one message; no database.
 * The **writer** is :class:`ingestion.spool.Writer`: batches flushed by size and by time,
   one transaction each, retried with backoff on database errors.
+
+Operators see progress (:func:`progress_for`): one self-rewriting line on a terminal
+(:class:`ProgressLine`), ``ingest_progress`` log events otherwise (:class:`ProgressEvents`).
 
 The last-terminal time is one shared ``multiprocessing.Value("d")`` (monotonic clock,
 which is system-wide on Linux), updated under the counter lock on each apply commit and
@@ -26,16 +31,19 @@ and starts no threads.
 from __future__ import annotations
 
 import contextlib
+import math
 import multiprocessing
 import queue
 import signal
 import sys
 import time
+from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.context import ForkContext
 from multiprocessing.sharedctypes import Synchronized
 from types import FrameType
-from typing import Any
+from typing import Any, Protocol
 
 from django.db import connections
 
@@ -48,6 +56,7 @@ from .spool import (
     QUARANTINED,
     READ_RETRY_SECONDS,
     TERMINAL,
+    Entry,
     Overdue,
     Spool,
     Stuck,
@@ -58,6 +67,16 @@ from .spool import (
 from .submissions import Limits
 
 log = get_logger("ingestion.ingester")
+
+#: Names go to the readers, and entries to the writer, in lists of at most this many
+#: files: one queue message (a lock, a pickle, a pipe write) per file was most of the
+#: hand-off's cost (docs/benchmarks.md).
+HANDOUT_FILES = 16
+
+#: The writer commits what it holds once no entry has arrived for this long: readers
+#: that keep up send a list every few milliseconds, so a pause means the spool is drained
+#: (for now) and waiting for the batch timer would only delay the last commit.
+IDLE_SECONDS = 0.05
 
 RETRY = "retry"  # a reader could not read the file (not its fault): try again later
 GONE = "gone"  # the file disappeared before it was read
@@ -70,11 +89,12 @@ class Options:
     once: bool = False
     stuck_after: float = 60.0
     poll_seconds: float = 0.1
-    progress_seconds: float = 5.0
+    scan_seconds: float = 1.0  # while files are in flight, list incoming/ this often
     max_files: int = 500
     max_facts: int = 20_000
     flush_seconds: float = 0.25
     grace: float = DEFAULT_GRACE_SECONDS  # 0: no grace check
+    log_batches: bool = True  # False: each batch's event at debug (a progress line shows it)
 
 
 class Shared:
@@ -109,40 +129,158 @@ class Shared:
             }
 
 
+# --- progress for operators -----------------------------------------------------------
+
+
+class ProgressSink(Protocol):
+    """Where the monitor reports its figures: every poll, then once at the end."""
+
+    def update(self, figures: dict[str, Any]) -> None: ...
+
+    def finish(self, figures: dict[str, Any]) -> None: ...
+
+
+def render(figures: dict[str, Any]) -> str:
+    """The progress line's text: what an operator watching a drain wants at a glance."""
+    return (
+        f"ingest: {figures['seen']} seen, {figures['applied']} applied, "
+        f"{figures['quarantined']} quarantined, {figures['duplicates']} duplicates, "
+        f"{figures['pending']} pending, {figures['rate_files_per_s']:g} files/s "
+        f"({figures['elapsed_s']:.0f} s)"
+    )
+
+
+class ProgressLine:
+    """One status line on a terminal, rewritten in place at most every ``interval`` seconds
+    and erased by :meth:`finish`, so the command's summary and any error start on a clean
+    line. Each draw erases to the end of the line and returns the cursor to column 0: a log
+    line the other processes print meanwhile overwrites the status line instead of being
+    glued to its end, and the next draw starts below it."""
+
+    def __init__(
+        self,
+        write: Callable[[str], None],
+        interval: float = 0.25,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.write = write
+        self.interval = interval
+        self.clock = clock
+        self.last = -float("inf")
+        self.shown = False
+
+    def update(self, figures: dict[str, Any]) -> None:
+        now = self.clock()
+        if now - self.last < self.interval:
+            return
+        self.last = now
+        self.shown = True
+        self.write(f"\r{render(figures)}\x1b[K\r")
+
+    def finish(self, figures: dict[str, Any]) -> None:
+        if self.shown:
+            self.write("\r\x1b[K")
+            self.shown = False
+
+
+class ProgressEvents:
+    """``ingest_progress`` log events for logs that are not a terminal: one every
+    ``interval`` seconds while running, and a final summary (``final=True``)."""
+
+    def __init__(self, interval: float = 10.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self.interval = interval
+        self.clock = clock
+        self.last = clock()
+
+    def update(self, figures: dict[str, Any]) -> None:
+        now = self.clock()
+        if now - self.last < self.interval:
+            return
+        self.last = now
+        log.info("ingest_progress", **figures, final=False)
+
+    def finish(self, figures: dict[str, Any]) -> None:
+        log.info("ingest_progress", **figures, final=True)
+
+
+def progress_for(stream: Any, write: Callable[[str], None] | None = None) -> ProgressSink:
+    """A :class:`ProgressLine` when ``stream`` is a terminal (written with ``write``,
+    default ``stream.write`` plus a flush), else :class:`ProgressEvents`."""
+    isatty = getattr(stream, "isatty", None)
+    if isatty is None or not isatty():
+        return ProgressEvents()
+
+    def to_stream(text: str) -> None:
+        stream.write(text)
+        stream.flush()
+
+    return ProgressLine(write or to_stream)
+
+
+class Rate:
+    """Files finished per second over the last ``window`` seconds (a watcher that ran for
+    hours still shows what it does now, not its lifetime average)."""
+
+    def __init__(self, window: float = 5.0) -> None:
+        self.window = window
+        self.samples: deque[tuple[float, int]] = deque()
+
+    def add(self, now: float, done: int) -> float:
+        self.samples.append((now, done))
+        while len(self.samples) > 2 and now - self.samples[1][0] >= self.window:
+            self.samples.popleft()
+        first_at, first_done = self.samples[0]
+        return round((done - first_done) / (now - first_at), 1) if now > first_at else 0.0
+
+
+# --- the processes ---------------------------------------------------------------------
+
+
 def _child_signals() -> None:
     # Ctrl-C reaches the whole process group: only the monitor decides how to stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
+def handouts(names: list[str], readers: int) -> list[list[str]]:
+    """``names`` cut into chunks for the readers: at most :data:`HANDOUT_FILES` each, and
+    small enough that every reader gets a share of a short list."""
+    size = max(1, min(HANDOUT_FILES, math.ceil(len(names) / readers)))
+    return [names[start : start + size] for start in range(0, len(names), size)]
+
+
 def _reader_main(
     spool: Spool,
     limits: Limits,
-    names: multiprocessing.Queue[str | None],
-    entries: multiprocessing.Queue[Any],
+    names: multiprocessing.Queue[list[str] | None],
+    entries: multiprocessing.Queue[list[Entry] | None],
     outcomes: multiprocessing.Queue[tuple[str, str, str]],
 ) -> None:
     _child_signals()
     while True:
-        name = names.get()
-        if name is None:
+        chunk = names.get()
+        if chunk is None:
             return
-        try:
-            entry = read_entry(spool, name, limits)
-        except OSError as exc:
-            log.warning("submission_unreadable", file=name, error=str(exc))
-            outcomes.put((name, RETRY, str(exc)))
-            continue
-        if entry is None:
-            outcomes.put((name, GONE, ""))
-        else:
-            entries.put(entry)
+        found: list[Entry] = []
+        for name in chunk:
+            try:
+                entry = read_entry(spool, name, limits)
+            except OSError as exc:
+                log.warning("submission_unreadable", file=name, error=str(exc))
+                outcomes.put((name, RETRY, str(exc)))
+                continue
+            if entry is None:
+                outcomes.put((name, GONE, ""))
+            else:
+                found.append(entry)
+        if found:
+            entries.put(found)
 
 
 def _writer_main(
     spool: Spool,
     options: Options,
-    entries: multiprocessing.Queue[Any],
+    entries: multiprocessing.Queue[list[Entry] | None],
     outcomes: multiprocessing.Queue[tuple[str, str, str]],
     shared: Shared,
 ) -> None:
@@ -162,22 +300,26 @@ def _writer_main(
         max_files=options.max_files,
         max_facts=options.max_facts,
         flush_seconds=options.flush_seconds,
+        log_batches=options.log_batches,
     )
     stopping = False
     try:
         while not (stopping and not writer.buffer):
+            idle = False
             if not stopping and not writer.full:
+                timeout = IDLE_SECONDS if writer.buffer else 0.5
                 try:
-                    item = entries.get(timeout=max(0.01, min(writer.wait_seconds(), 0.5)))
+                    found = entries.get(timeout=timeout)
                 except queue.Empty:
-                    item = False
-                if item is None:
+                    found, idle = [], True
+                if found is None:
                     stopping = True
-                elif item is not False:
-                    writer.add(item)
-            if writer.due() or (stopping and writer.buffer and time.monotonic() >= writer.next_try):
+                else:
+                    for entry in found:
+                        writer.add(entry)
+            if writer.due(idle=idle or stopping):
                 writer.flush()
-            elif writer.full or stopping:
+            elif writer.buffer and (writer.full or stopping):  # wait for the backoff
                 time.sleep(min(writer.wait_seconds(), 0.5))
     finally:
         connections.close_all()
@@ -191,15 +333,25 @@ class _Stop:
         self.signal = signal.Signals(signum).name
 
 
-def run(spool: Spool, options: Options, limits: Limits | None = None) -> dict[str, Any]:
+def run(
+    spool: Spool,
+    options: Options,
+    limits: Limits | None = None,
+    progress: ProgressSink | None = None,
+) -> dict[str, Any]:
     """Run the parallel ingester; return the final figures. Raises :class:`Stuck`,
     :class:`Overdue` (and RuntimeError when a child process dies) with every unfinished
-    file left in place."""
+    file left in place. ``progress`` (default :class:`ProgressEvents`) gets the figures
+    at every poll and once at the end, whatever the outcome."""
     limits = limits or Limits.from_settings()
+    progress = progress or ProgressEvents()
     spool.ensure()
     ctx = multiprocessing.get_context("fork")
-    names: multiprocessing.Queue[str | None] = ctx.Queue()
-    entries: multiprocessing.Queue[Any] = ctx.Queue(maxsize=max(64, 4 * options.workers))
+    names: multiprocessing.Queue[list[str] | None] = ctx.Queue()
+    # Bounded: a slow writer holds the readers back instead of filling memory.
+    entries: multiprocessing.Queue[list[Entry] | None] = ctx.Queue(
+        maxsize=max(4, 2 * options.workers)
+    )
     outcomes: multiprocessing.Queue[tuple[str, str, str]] = ctx.Queue()
     shared = Shared(ctx)
 
@@ -240,12 +392,14 @@ def run(spool: Spool, options: Options, limits: Limits | None = None) -> dict[st
     seen: set[str] = set()
     pending_since: float | None = None
     last_error = ""
-    last_progress = started
-    pending: list[str] = []
+    pending: set[str] = set()  # in incoming/ at the last scan and not finished since
+    scanned_at = -float("inf")
+    rate = Rate()
 
     def figures() -> dict[str, Any]:
         snap = shared.snapshot()
-        elapsed = max(time.monotonic() - started, 1e-9)
+        now = time.monotonic()
+        elapsed = max(now - started, 1e-9)
         done = snap["applied"] + snap["duplicates"] + snap["quarantined"]
         return {
             "seen": len(seen),
@@ -255,6 +409,7 @@ def run(spool: Spool, options: Options, limits: Limits | None = None) -> dict[st
             "pending": len(pending),
             "elapsed_s": round(elapsed, 3),
             "files_per_s": round(done / elapsed, 1),
+            "rate_files_per_s": rate.add(now, done),
         }
 
     try:
@@ -268,6 +423,8 @@ def run(spool: Spool, options: Options, limits: Limits | None = None) -> dict[st
                     last_error = detail
                     continue
                 in_flight.discard(name)
+                if outcome in TERMINAL or outcome == GONE:
+                    pending.discard(name)
                 if outcome == RETRY:
                     last_error = f"cannot read {name}: {detail}"
                     retry_at[name] = time.monotonic() + READ_RETRY_SECONDS
@@ -278,16 +435,20 @@ def run(spool: Spool, options: Options, limits: Limits | None = None) -> dict[st
                     raise RuntimeError(f"a spool reader exited with code {reader.exitcode}")
 
             now = time.monotonic()
-            pending = spool.pending()
-            overdue = spool.overdue(pending, options.grace)
-            if overdue:
-                raise Overdue(overdue)
-            for name in pending:
-                if name in in_flight or retry_at.get(name, 0.0) > now:
-                    continue
-                in_flight.add(name)
-                seen.add(name)
-                names.put(name)
+            # Listing a large incoming/ costs a stat per file: while handed-out work is in
+            # flight, look for new files only every scan_seconds.
+            if not in_flight or now - scanned_at >= options.scan_seconds:
+                scanned_at = now
+                listed = spool.pending()
+                overdue = spool.overdue(listed, options.grace)
+                if overdue:
+                    raise Overdue(overdue)
+                pending = set(listed)
+                ready = [n for n in listed if n not in in_flight and retry_at.get(n, 0.0) <= now]
+                for chunk in handouts(ready, options.workers):
+                    in_flight.update(chunk)
+                    seen.update(chunk)
+                    names.put(chunk)
             pending_since = (pending_since or now) if pending else None
             reason = stuck_check(
                 len(pending), shared.snapshot()["last_terminal"], pending_since, options.stuck_after
@@ -297,9 +458,7 @@ def run(spool: Spool, options: Options, limits: Limits | None = None) -> dict[st
                     reason += f"; last error: {last_error}"
                 log.error("spool_stuck", **figures(), reason=reason)
                 raise Stuck(reason)
-            if now - last_progress >= options.progress_seconds:
-                last_progress = now
-                log.info("spool_progress", **figures())
+            progress.update(figures())
             if stop.signal or (options.once and not pending):
                 break
             time.sleep(options.poll_seconds)
@@ -316,8 +475,10 @@ def run(spool: Spool, options: Options, limits: Limits | None = None) -> dict[st
         entries.put(None)
         while writer.exitcode is None:
             writer.join(timeout=options.poll_seconds)
+            pending = set(spool.pending())
+            progress.update(figures())
             reason = stuck_check(
-                len(spool.pending()),
+                len(pending),
                 shared.snapshot()["last_terminal"],
                 pending_since or time.monotonic(),
                 options.stuck_after,
@@ -326,11 +487,12 @@ def run(spool: Spool, options: Options, limits: Limits | None = None) -> dict[st
                 raise Stuck(reason)
         if writer.exitcode != 0:
             raise RuntimeError(f"the spool writer exited with code {writer.exitcode}")
-        pending = spool.pending()
+        pending = set(spool.pending())
         result = figures()
         log.info("spool_ingester_stopped", **result, signal=stop.signal)
         return result
     finally:
+        progress.finish(figures())
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         for proc in [writer, *readers]:

@@ -206,9 +206,7 @@ class Artifact(models.Model):
 
     class Meta:
         db_table = "artifacts"
-        constraints = [
-            models.UniqueConstraint(fields=["source", "url"], name="artifact_identity")
-        ]
+        constraints = [models.UniqueConstraint(fields=["source", "url"], name="artifact_identity")]
         indexes = [
             models.Index(
                 fields=["refresh_after"],
@@ -220,3 +218,28 @@ class Artifact(models.Model):
 
     def __str__(self) -> str:
         return f"artifact {self.pk} ({self.url})"
+
+
+class ArtifactText(models.Model):
+    """The searchable text of a fetched artifact, one row per artifact (DESIGN §11).
+
+    The vendor full-text index follows this table (``ingestion/search_sql.py``): on
+    PostgreSQL a ``document tsvector`` column, written at index time with the configured
+    text-search configuration, under a GIN index; on SQLite the FTS5 table
+    ``artifact_search``, kept in step by triggers. Neither is a model field, so both are
+    created by migration ``0005_search``.
+    """
+
+    artifact = models.OneToOneField(
+        Artifact, on_delete=models.CASCADE, primary_key=True, related_name="search_text"
+    )
+    title = models.TextField(blank=True, default="")
+    text = models.TextField(blank=True, default="")
+    sha256 = models.CharField(max_length=64, help_text="the body this text was extracted from")
+    indexed_at = models.DateTimeField(db_default=Now())
+
+    class Meta:
+        db_table = "artifact_texts"
+
+    def __str__(self) -> str:
+        return f"text of artifact {self.artifact_id} ({self.sha256[:12]})"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 from django.db import transaction
@@ -22,18 +23,77 @@ class IssueNotFound(HoldfastError, LookupError):
 
 
 def record(
-    kind: str, subject: str, source: str = "", details: dict[str, Any] | None = None
+    kind: str,
+    subject: str,
+    source: str = "",
+    details: dict[str, Any] | None = None,
+    using: str = "default",
 ) -> ReconciliationIssue:
-    """Open an issue (inside the caller's transaction, like the event it describes)."""
+    """Open an issue (inside the caller's transaction, like the event it describes).
+
+    ``using`` names the connection of that transaction (the spool ingester has its own).
+    """
     if kind not in IssueKind.values:
         raise InvalidJob(f"unknown reconciliation issue kind {kind!r}")
-    issue = ReconciliationIssue.objects.create(
+    issue = ReconciliationIssue.objects.using(using).create(
         kind=kind, subject=subject, source=source, details=details or {}
     )
     log.warning(
         "reconciliation_issue_opened", issue_id=issue.pk, kind=kind, source=source, subject=subject
     )
     return issue
+
+
+AUTO_RESOLVER = "holdfast"
+
+
+def record_unless_open(
+    kind: str, subject: str, source: str = "", details: dict[str, Any] | None = None
+) -> ReconciliationIssue | None:
+    """Open an issue unless one of this kind is already open for this subject.
+
+    A condition that persists (an item missing from every daily run, a page that stays
+    404) is one issue, not one a day. Returns the new issue, or None when one was open.
+    """
+    already = ReconciliationIssue.objects.filter(
+        kind=kind, source=source, subject=subject, status=IssueStatus.OPEN
+    )
+    if already.exists():
+        return None
+    return record(kind, subject, source, details)
+
+
+def resolve_cleared(
+    kind: str, source: str, subjects: Iterable[str] | QuerySet[Any], condition: str
+) -> list[int]:
+    """Resolve the open issues of ``kind`` about ``subjects``: their condition cleared.
+
+    Inside the caller's transaction, like the event that cleared it. The issue records
+    that Holdfast resolved it (``resolved_by="holdfast"``) and, as its comment, which
+    condition cleared, so an operator can tell these from their own resolutions.
+    ``subjects`` may be a list or a queryset of values (used as a subquery).
+    """
+    found = ReconciliationIssue.objects.filter(
+        kind=kind, source=source, status=IssueStatus.OPEN, subject__in=subjects
+    )
+    ids = list(found.values_list("pk", flat=True))
+    if ids:
+        ReconciliationIssue.objects.filter(pk__in=ids, status=IssueStatus.OPEN).update(
+            status=IssueStatus.RESOLVED,
+            resolved_at=Now(),
+            resolved_by=AUTO_RESOLVER,
+            comment=condition,
+        )
+    for issue_id in ids:
+        log.info(
+            "reconciliation_issue_resolved",
+            issue_id=issue_id,
+            kind=kind,
+            source=source,
+            by=AUTO_RESOLVER,
+            condition=condition,
+        )
+    return ids
 
 
 def issues(

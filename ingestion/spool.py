@@ -22,6 +22,7 @@ work. :func:`drain` runs both in one process (the job handler, ``--workers 1``);
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -35,9 +36,10 @@ from typing import Any
 
 from django.conf import settings
 from django.db import (
+    DEFAULT_DB_ALIAS,
     DatabaseError,
     close_old_connections,
-    connection,
+    connections,
     transaction,
 )
 
@@ -45,9 +47,10 @@ from jobs.log import get_logger
 from jobs.retry import RetryPolicy
 
 from . import blobs
+from .grants import ingester_database
 from .models import IngestedSubmission, IssueKind, Lab, ReconciliationIssue
 from .reconciliation import record
-from .sql import FactWrite, upsert_facts
+from .sql import AckWrite, FactWrite, insert_acks, upsert_facts
 from .submissions import InvalidSubmission, Limits, Submission, parse
 
 log = get_logger("ingestion.spool")
@@ -252,15 +255,18 @@ def _fault(point: str) -> None:
         action()
 
 
-def apply_batch(entries: list[Entry]) -> BatchResult:
-    """Apply a batch in ONE transaction: labs, facts, ack rows and the reconciliation issues
-    of rejected files. Raises ``DatabaseError`` with nothing committed."""
+def apply_batch(entries: list[Entry], using: str = DEFAULT_DB_ALIAS) -> BatchResult:
+    """Apply a batch in ONE transaction on the database ``using``: labs, facts, ack rows and
+    the reconciliation issues of rejected files. Raises ``DatabaseError`` with nothing
+    committed."""
     result = BatchResult()
-    with transaction.atomic():
+    with transaction.atomic(using=using):
         _fault("db_error")
         hashes = sorted({entry.hash for entry in entries})
         result.already = set(
-            IngestedSubmission.objects.filter(hash__in=hashes).values_list("hash", flat=True)
+            IngestedSubmission.objects.using(using)
+            .filter(hash__in=hashes)
+            .values_list("hash", flat=True)
         )
         fresh: dict[str, Entry] = {}
         rejected: list[Entry] = []
@@ -274,8 +280,10 @@ def apply_batch(entries: list[Entry]) -> BatchResult:
         submissions = [entry.submission for entry in fresh.values() if entry.submission]
 
         labs = sorted({submission.lab for submission in submissions})
-        Lab.objects.bulk_create([Lab(name=name) for name in labs], ignore_conflicts=True)
-        lab_ids = dict(Lab.objects.filter(name__in=labs).values_list("name", "id"))
+        Lab.objects.using(using).bulk_create(
+            [Lab(name=name) for name in labs], ignore_conflicts=True
+        )
+        lab_ids = dict(Lab.objects.using(using).filter(name__in=labs).values_list("name", "id"))
 
         # One row per (lab, entity, key): the newest submission's fact (a later file wins
         # a tie, as it would in separate batches).
@@ -289,10 +297,10 @@ def apply_batch(entries: list[Entry]) -> BatchResult:
                     newest[identity] = FactWrite(
                         lab_id, fact.entity, fact.key, fact.attributes, submission.submitted_at
                     )
-        upsert_facts(list(newest.values()))
-        IngestedSubmission.objects.bulk_create(
+        upsert_facts(list(newest.values()), using)
+        insert_acks(
             [
-                IngestedSubmission(
+                AckWrite(
                     hash=entry.hash,
                     file_name=entry.name,
                     lab_id=lab_ids[entry.submission.lab],
@@ -302,33 +310,33 @@ def apply_batch(entries: list[Entry]) -> BatchResult:
                 )
                 for entry in fresh.values()
                 if entry.submission is not None
-            ]
+            ],
+            using,
         )
         result.applied = set(fresh)
         for entry in rejected:
-            result.issues[entry.name] = _quarantine_issue(entry)
+            result.issues[entry.name] = _quarantine_issue(entry, using)
         _fault("pause_in_flush")
     _fault("exit_after_commit")
     return result
 
 
-def _quarantine_issue(entry: Entry) -> int:
-    """The file's open reconciliation issue, recorded once even if the move is retried."""
+def _quarantine_issue(entry: Entry, using: str) -> int:
+    """The file's open reconciliation issue, recorded once even if the move is retried.
+
+    It commits on the ingester's own connection, in the batch's transaction.
+    """
+    kind = IssueKind.QUARANTINED_SUBMISSION
     existing = (
-        ReconciliationIssue.objects.filter(
-            kind=IssueKind.QUARANTINED_SUBMISSION, subject=entry.name, details__hash=entry.hash
-        )
+        ReconciliationIssue.objects.using(using)
+        .filter(kind=kind, subject=entry.name, details__hash=entry.hash)
         .values_list("pk", flat=True)
         .first()
     )
     if existing is not None:
         return existing
-    issue = record(
-        IssueKind.QUARANTINED_SUBMISSION,
-        subject=entry.name,
-        details={"hash": entry.hash, "stage": entry.stage, "error": entry.error},
-    )
-    return issue.pk
+    details = {"hash": entry.hash, "stage": entry.stage, "error": entry.error}
+    return record(kind, entry.name, details=details, using=using).pk
 
 
 # --- finishing files after the commit -------------------------------------------------
@@ -342,12 +350,20 @@ def _same_file(path: Path, identity: tuple[int, int]) -> bool:
     return (info.st_dev, info.st_ino) == identity
 
 
-def remove(spool: Spool, entry: Entry) -> bool:
-    """Delete an acked file, unless it is gone or was replaced since it was read."""
-    path = spool.incoming / entry.name
-    if not _same_file(path, entry.identity):
+def remove(incoming: int, entry: Entry) -> bool:
+    """Delete an acked file, unless it is gone or was replaced since it was read.
+
+    ``incoming`` is an open descriptor of ``incoming/``: a batch's stats and unlinks are
+    relative to it, without building and resolving a path for each file.
+    """
+    try:
+        info = os.stat(entry.name, dir_fd=incoming)
+    except FileNotFoundError:
         return False
-    path.unlink(missing_ok=True)
+    if (info.st_dev, info.st_ino) != entry.identity:
+        return False
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(entry.name, dir_fd=incoming)
     return True
 
 
@@ -398,7 +414,10 @@ class Writer:
 
     ``flush`` commits the whole buffer in one transaction, then finishes exactly the files
     of that batch (delete acked ones, move rejected ones). On a database error it keeps the
-    buffer, nothing moves, and the next try waits for a growing backoff.
+    buffer, nothing moves, and the next try waits for a growing backoff. ``database`` is
+    the alias it writes through (default: :func:`ingestion.grants.ingester_database`);
+    ``log_batches=False`` logs each batch at debug level (an operator's progress line
+    already shows it).
     """
 
     def __init__(
@@ -410,8 +429,12 @@ class Writer:
         max_files: int = 500,
         max_facts: int = 20_000,
         flush_seconds: float = 0.25,
+        database: str | None = None,
+        log_batches: bool = True,
     ) -> None:
         self.spool = spool
+        self.database = database or ingester_database()
+        self.log_batches = log_batches
         self.report = report
         self.report_error = report_error
         self.max_files = max_files
@@ -440,12 +463,14 @@ class Writer:
         self.buffer.append(entry)
         self.facts += entry.fact_count
 
-    def due(self, now: float | None = None) -> bool:
-        """True when the buffer should be flushed now (full or old enough, not backing off)."""
+    def due(self, now: float | None = None, idle: bool = False) -> bool:
+        """True when the buffer should be flushed now: full, old enough, or ``idle`` (no
+        more entries are coming for now, so waiting would only delay the commit); never
+        while backing off."""
         now = time.monotonic() if now is None else now
         if not self.buffer or now < self.next_try:
             return False
-        return self.full or now - self.first_at >= self.flush_seconds
+        return idle or self.full or now - self.first_at >= self.flush_seconds
 
     def wait_seconds(self, now: float | None = None) -> float:
         """How long until :meth:`due` may become true without new entries."""
@@ -462,7 +487,7 @@ class Writer:
             return True
         batch = self.buffer
         try:
-            result = apply_batch(batch)
+            result = apply_batch(batch, self.database)
         except DatabaseError as exc:
             self._failed(exc)
             return False
@@ -488,17 +513,32 @@ class Writer:
         if self.report_error is not None:
             self.report_error(self.last_error)
         # A broken connection is replaced on the next try; a healthy one is kept.
-        if not connection.in_atomic_block:
+        if not connections[self.database].in_atomic_block:
             close_old_connections()
 
     def _finish(self, batch: list[Entry], result: BatchResult) -> None:
+        incoming = os.open(self.spool.incoming, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            self._finish_files(incoming, batch, result)
+            os.fsync(incoming)  # one fsync makes all of the batch's unlinks durable
+        finally:
+            os.close(incoming)
+        (log.info if self.log_batches else log.debug)(
+            "spool_batch_applied",
+            files=len(batch),
+            applied=len(result.applied),
+            duplicates=len(result.already),
+            quarantined=len(result.issues),
+        )
+
+    def _finish_files(self, incoming: int, batch: list[Entry], result: BatchResult) -> None:
         acked = result.applied | result.already
         counted: set[str] = set()  # the first file of each applied hash counts as applied
         for entry in batch:
             outcome = SKIPPED
             try:
                 if entry.hash in acked:
-                    if remove(self.spool, entry):
+                    if remove(incoming, entry):
                         first = entry.hash in result.applied and entry.hash not in counted
                         outcome = APPLIED if first else DUPLICATE
                         counted.add(entry.hash)
@@ -517,14 +557,6 @@ class Writer:
             except OSError as exc:  # committed already: the next scan finishes the file
                 log.error("spool_finish_failed", file=entry.name, error=str(exc))
             self.report(entry.name, outcome)
-        blobs.fsync_dir(self.spool.incoming)
-        log.info(
-            "spool_batch_applied",
-            files=len(batch),
-            applied=len(result.applied),
-            duplicates=len(result.already),
-            quarantined=len(result.issues),
-        )
 
 
 # --- progress and the stuck rule ------------------------------------------------------

@@ -60,6 +60,44 @@ SCHEMA: dict[str, Any] = {
 
 _validator = Draft202012Validator(SCHEMA)
 
+_FIELDS = frozenset(SCHEMA["properties"])
+_REQUIRED = frozenset(SCHEMA["required"])
+_FACT_FIELDS = frozenset(SCHEMA["properties"]["facts"]["items"]["required"])
+
+
+def _text(value: Any, shortest: int, longest: int) -> bool:
+    return isinstance(value, str) and shortest <= len(value) <= longest
+
+
+def conforms(document: Any) -> bool:
+    """True when ``document`` certainly satisfies :data:`SCHEMA`, checked in plain Python.
+
+    The general validator costs about 0.6 ms for a 10-fact submission, most of a reader's
+    time; this check of the same rules costs a few microseconds. It only ever says "valid":
+    on False, :func:`parse` asks ``jsonschema``, which names the error and has the last
+    word. (``tests/integration/test_spool_fast_paths.py`` holds the two to agreement.)
+    """
+    if not isinstance(document, dict) or not _REQUIRED <= document.keys() <= _FIELDS:
+        return False
+    if (
+        document["schema"] != SCHEMA_ID
+        or not _text(document["lab"], 1, 200)
+        or not _text(document["submitted_at"], 10, 64)
+        or not isinstance(document["facts"], list)
+        or ("log_excerpt" in document and not isinstance(document["log_excerpt"], str))
+    ):
+        return False
+    for fact in document["facts"]:
+        if (
+            not isinstance(fact, dict)
+            or fact.keys() != _FACT_FIELDS
+            or not _text(fact["entity"], 1, 200)
+            or not _text(fact["key"], 1, 500)
+            or not isinstance(fact["attributes"], dict)
+        ):
+            return False
+    return True
+
 
 @dataclass(frozen=True)
 class Limits:
@@ -176,7 +214,11 @@ def parse(raw: bytes, limits: Limits, hash: str | None = None) -> Submission:
     except (ValueError, RecursionError) as exc:
         raise InvalidSubmission("json", f"invalid JSON: {exc}") from None
 
-    errors = sorted(_validator.iter_errors(document), key=lambda e: list(e.absolute_path))
+    errors = (
+        []
+        if conforms(document)
+        else sorted(_validator.iter_errors(document), key=lambda e: list(e.absolute_path))
+    )
     if errors:
         first = errors[0]
         where = "$" + "".join(
@@ -191,7 +233,11 @@ def parse(raw: bytes, limits: Limits, hash: str | None = None) -> Submission:
             "limits", f"{len(facts)} facts, more than the limit of {limits.max_facts}"
         )
     excerpt_text = document.get("log_excerpt")
-    _check_strings(document)
+    # Raw JSON cannot hold a NUL or a lone surrogate: both must be written as \u escapes
+    # (a raw control character is invalid JSON; UTF-8 cannot encode a surrogate). Without
+    # a "\u" in the bytes there is nothing to look for, so skip the walk over every string.
+    if b"\\u" in raw:
+        _check_strings(document)
     excerpt = excerpt_text.encode("utf-8") if excerpt_text is not None else None
     if excerpt is not None and len(excerpt) > limits.max_excerpt_bytes:
         raise InvalidSubmission(

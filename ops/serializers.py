@@ -20,6 +20,7 @@ from django.core.validators import ProhibitNullCharactersValidator, RegexValidat
 from rest_framework import serializers
 
 from ingestion.models import IssueKind, IssueStatus
+from ingestion.search import DEFAULT_LIMIT, MAX_LIMIT, MAX_QUERY_CHARS
 from jobs.models import Outcome, State
 
 PAGE_SIZE_DEFAULT = 50
@@ -146,6 +147,23 @@ class IssuesQuery(PageQuery):
     )
 
 
+class SearchQuery(serializers.Serializer):
+    q = StrictCharField(
+        max_length=MAX_QUERY_CHARS,
+        help_text="words to find (required, not blank); any text is a valid query: on "
+        'PostgreSQL "quoted phrases", or, and -word work as in a web search',
+    )
+    source = StrictCharField(  # type: ignore[assignment]  # see IssuesQuery
+        required=False, max_length=200, help_text="only this source's artifacts (404 if unknown)"
+    )
+    limit = StrictIntegerField(
+        required=False,
+        min_value=1,
+        max_value=MAX_LIMIT,
+        help_text=f"at most this many hits (default {DEFAULT_LIMIT}, at most {MAX_LIMIT})",
+    )
+
+
 # --- request bodies ----------------------------------------------------------------------
 
 
@@ -187,6 +205,9 @@ class JobResponse(serializers.Serializer):
     lease_expires_at = serializers.DateTimeField(allow_null=True)
     run_at = serializers.DateTimeField()
     unique_key = serializers.CharField(allow_null=True)
+    declared_locks = serializers.ListField(
+        child=serializers.CharField(), help_text="resources the job must hold to run, sorted"
+    )
     cancel_requested = serializers.BooleanField()
     progress = serializers.JSONField(allow_null=True)
     result = serializers.JSONField(allow_null=True)
@@ -212,8 +233,20 @@ class LeaseResponse(serializers.Serializer):
     )
 
 
+class EventResponse(serializers.Serializer):
+    at = serializers.DateTimeField()
+    event = serializers.CharField(help_text="claimed, settled, progress, reclaimed, …")
+    lease_token = serializers.IntegerField(allow_null=True)
+    worker_id = serializers.CharField(allow_null=True)
+    data = serializers.DictField()  # type: ignore[assignment]  # a field, see IssuesQuery
+
+
 class JobDetailResponse(JobResponse):
     leases = LeaseResponse(many=True, help_text="every attempt, oldest first")
+    locks = serializers.ListField(
+        child=serializers.CharField(), help_text="resource locks the job holds now"
+    )
+    events = EventResponse(many=True, help_text="the job's event log, oldest first")
 
 
 class PageResponse(serializers.Serializer):
@@ -243,6 +276,25 @@ class IssueResponse(serializers.Serializer):
 
 class IssuesResponse(PageResponse):
     issues = IssueResponse(many=True)
+
+
+class SearchHit(serializers.Serializer):
+    url = serializers.URLField()
+    source = serializers.CharField()  # type: ignore[assignment]  # see IssuesQuery
+    title = serializers.CharField(allow_blank=True, help_text="the document's title, or empty")
+    snippet = serializers.CharField(
+        allow_blank=True, help_text="plain text around the matches, each marked [like this]"
+    )
+    rank = serializers.FloatField(
+        help_text="higher is better; comparable within one answer, not across databases"
+    )
+    fetched_at = serializers.DateTimeField(allow_null=True)
+    artifact_id = serializers.IntegerField()
+
+
+class SearchResponse(serializers.Serializer):
+    count = serializers.IntegerField(help_text="how many hits follow (at most limit)")
+    hits = SearchHit(many=True, help_text="best match first")
 
 
 class LaneFigures(serializers.Serializer):
@@ -300,6 +352,7 @@ class QueueResponse(serializers.Serializer):
     workers = WorkerFigures(many=True)
     schedules_overdue = serializers.ListField(child=serializers.JSONField())
     delayed = serializers.IntegerField(help_text="queued jobs whose run_at is in the future")
+    locks_held = serializers.IntegerField(help_text="resource locks held by running jobs")
     spool = SpoolBacklog(help_text="the spool's backlog (docs/ingestion.md)")
 
 

@@ -19,7 +19,7 @@ urlpatterns = [
         views.ResolveView.as_view(),
         name="issue-resolve",
     ),
-    # GET search/?q= arrives with the sources and artifacts issue (DESIGN §9, §11).
+    path("search/", views.SearchView.as_view(), name="search"),
     path("health/", views.HealthView.as_view(), name="health"),
     path("schema/", SchemaView.as_view(), name="schema"),
 ]

@@ -27,7 +27,7 @@ from rest_framework.response import Response
 from rest_framework.utils.urls import replace_query_param
 from rest_framework.views import APIView
 
-from ingestion import reconciliation
+from ingestion import reconciliation, search
 from ingestion.spool import grace_seconds
 from jobs import engine
 from jobs.log import get_logger
@@ -50,6 +50,8 @@ from .serializers import (
     JobResponse,
     QueueResponse,
     Resolve,
+    SearchQuery,
+    SearchResponse,
 )
 from .tokens import Principal
 
@@ -265,6 +267,34 @@ class ResolveView(OpsView):
                 issue_id, by=principal(request).name, comment=body.validated_data["comment"]
             )
         return Response(reconciliation.issue_dict(issue))
+
+
+class SearchView(OpsView):
+    """Full-text search over the fetched artifacts (``manage.py search``)."""
+
+    query_serializer = SearchQuery
+
+    @extend_schema(
+        operation_id="search_artifacts",
+        tags=["search"],
+        summary="Full-text search over artifacts, best match first",
+        description="Any text is a valid query: it is never parsed as query syntax that could "
+        "fail. A missing or blank `q` or a `limit` outside 1 to 100 is a 400 naming the "
+        "parameter; an unknown `source` is a 404.",
+        parameters=[SearchQuery],
+        responses={
+            200: SearchResponse,
+            404: schema.error("no source has the name given as `source`"),
+            **schema.READ_ERRORS,
+        },
+    )
+    def get(self, request: Request) -> Response:
+        hits = search.search(
+            self.query["q"],
+            source=self.query.get("source"),
+            limit=self.query.get("limit", search.DEFAULT_LIMIT),
+        )
+        return Response({"count": len(hits), "hits": [search.hit_dict(hit) for hit in hits]})
 
 
 class HealthView(OpsView):

@@ -369,7 +369,7 @@ def test_a_second_poison_file_of_the_same_name_keeps_the_first(
 # --- database errors: nothing moves, nothing acked, nothing deleted --------------------
 
 
-def _refuse(entries: list[spool.Entry]) -> spool.BatchResult:
+def _refuse(entries: list[spool.Entry], using: str) -> spool.BatchResult:
     raise OperationalError("server closed the connection unexpectedly")
 
 
@@ -381,9 +381,9 @@ def test_a_database_error_on_flush_leaves_every_file_in_place_until_stuck(
     before = {name: sha(the_spool.incoming / name) for name in incoming(the_spool)}
     calls: list[int] = []
 
-    def refuse(entries: list[spool.Entry]) -> spool.BatchResult:
+    def refuse(entries: list[spool.Entry], using: str) -> spool.BatchResult:
         calls.append(len(entries))
-        return _refuse(entries)
+        return _refuse(entries, using)
 
     monkeypatch.setattr(spool, "apply_batch", refuse)
     with pytest.raises(Stuck, match=r"stuck: 2 file\(s\) pending .*OperationalError: server"):
@@ -411,8 +411,8 @@ def test_an_error_after_the_facts_were_written_rolls_the_whole_batch_back(
     real_upsert = spool.upsert_facts
     failures = iter([True, True])
 
-    def upsert_then_fail(rows: list[Any]) -> None:
-        real_upsert(rows)
+    def upsert_then_fail(rows: list[Any], using: str) -> None:
+        real_upsert(rows, using)
         if next(failures, False):
             raise OperationalError("canceling statement due to lock timeout")
 

@@ -51,6 +51,9 @@ class Command(JobsCommand):
         if grace < 0:
             raise bad_input("--grace must be 0 (off) or positive")
         spool = Spool.from_settings(options["spool"])
+        # A terminal gets one self-rewriting line; logs get periodic ingest_progress events.
+        progress = ingester.progress_for(self.stderr, write=self._write_progress)
+        on_terminal = isinstance(progress, ingester.ProgressLine)
         try:
             result = ingester.run(
                 spool,
@@ -59,7 +62,9 @@ class Command(JobsCommand):
                     once=options["once"],
                     stuck_after=options["stuck_after"],
                     grace=grace,
+                    log_batches=not on_terminal,
                 ),
+                progress=progress,
             )
         except (Stuck, Overdue) as exc:
             raise failed(str(exc)) from None
@@ -73,3 +78,8 @@ class Command(JobsCommand):
             f"{result['quarantined']} quarantined, {result['pending']} pending "
             f"({result['files_per_s']} files/s)"
         )
+
+    def _write_progress(self, text: str) -> None:
+        # Unstyled: on a terminal Django would colour everything on stderr as an error.
+        self.stderr.write(text, style_func=str, ending="")
+        self.stderr.flush()

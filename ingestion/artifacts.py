@@ -1,0 +1,470 @@
+"""Artifacts: fetching a discovered document, refreshing it, and what its fetches reveal.
+
+One fetch is one conditional GET (``If-None-Match`` / ``If-Modified-Since`` from the last
+good fetch) through the polite client, and its outcome decides everything else:
+
+=====================  ==============================================================
+200 (2xx)              body kept in the blob store by sha256; a new hash enqueues
+                       indexing, and one that changed while the listed ``lastmod`` did
+                       not opens ``content_changed_unannounced``
+304, or the same hash  unchanged: only ``fetched_at`` and ``refresh_after`` move
+404, 410               ``gone``, with a ``gone_at_source`` issue (the job succeeds)
+5xx, 408, 429,         raised, so the engine retries with backoff; the last attempt
+timeouts, connection   gives up as below
+other 4xx, too large,  ``failed``, with a ``permanent_fetch_failure`` issue committed
+robots, redirects      before ``PermanentError`` sends the job to ``dead``
+=====================  ==============================================================
+
+Every artifact write happens in the job's fenced ``ctx.atomic()``, so a stale attempt
+never lands one. A good fetch resolves the artifact's ``gone_at_source`` and
+``permanent_fetch_failure`` issues by itself. Fetches of one artifact never overlap: the
+handler holds the resource lock ``artifact:<id>``, and every way in (discovery, the
+refresher, ``force_refresh``) enqueues with the unique key ``fetch:<id>``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any, NoReturn
+
+from django.db import transaction
+from django.db.models import CharField, Exists, OuterRef, QuerySet, Value
+from django.db.models.functions import Cast, Concat, Now
+
+from jobs import PermanentError, enqueue
+from jobs.context import JobContext
+from jobs.engine import db_now
+from jobs.exceptions import HoldfastError, InvalidJob
+from jobs.log import get_logger
+from jobs.models import ACTIVE_STATES, Job
+from jobs.refresh import refresher
+from jobs.serialization import timestamp
+
+from . import blobs, discovery, http
+from .models import (
+    Artifact,
+    ArtifactState,
+    DiscoveryRun,
+    IssueKind,
+    IssueStatus,
+    ReconciliationIssue,
+    Source,
+)
+from .reconciliation import record, record_unless_open, resolve_cleared
+from .search import INDEX_ARTIFACT, unindex
+
+log = get_logger("ingestion.artifacts")
+
+FETCH_KIND = "ingestion.fetch_artifact"
+REFRESH_BATCH = 100
+GONE_STATUSES = frozenset({404, 410})
+RETRY_STATUSES = frozenset({408, 429})  # 4xx that say "later", not "never"
+IDS_PER_QUERY = 1000  # keeps ``pk IN (…)`` under SQLite's bound-parameter limit
+
+
+class RetryableStatus(HoldfastError):
+    """The source answered 5xx (or 408/429): the engine retries the fetch with backoff."""
+
+
+def fetch_key(artifact_id: int) -> str:
+    return f"fetch:{artifact_id}"
+
+
+def index_key(artifact_id: int, sha256: str) -> str:
+    return f"index:{artifact_id}:{sha256}"
+
+
+# --- the fetch -------------------------------------------------------------------------
+
+
+def fetch(ctx: JobContext, artifact_id: int) -> dict[str, Any]:
+    """The body of ``ingestion.fetch_artifact``: fetch once and record what came back."""
+    try:
+        artifact = Artifact.objects.select_related("source").get(pk=artifact_id)
+    except Artifact.DoesNotExist:
+        raise PermanentError(f"no artifact with id {artifact_id}") from None
+    if not artifact.source.enabled:
+        result = {"artifact_id": artifact_id, "outcome": "skipped"}
+        with ctx.atomic(complete=True, result=result):
+            log.info("artifact_fetch_skipped", artifact_id=artifact_id, reason="source disabled")
+        return result
+    try:
+        response = http.get(artifact.source, artifact.url, headers=conditional_headers(artifact))
+    except http.FetchError as exc:
+        if exc.transient:
+            retry_later(ctx, artifact, exc)
+        fail(ctx, artifact, f"{type(exc).__name__}: {exc}", error=type(exc).__name__)
+    status = response.status
+    if status == 304 and artifact.sha256:
+        return unchanged(ctx, artifact, response)
+    if 200 <= status < 300:
+        return stored(ctx, artifact, response)
+    if status in GONE_STATUSES:
+        return gone(ctx, artifact, response)
+    if status >= 500 or status in RETRY_STATUSES:
+        retry_later(
+            ctx,
+            artifact,
+            RetryableStatus(f"{artifact.url} answered HTTP {status}"),
+            http_status=status,
+        )
+    fail(ctx, artifact, f"HTTP {status}", http_status=status)
+
+
+def retry_later(
+    ctx: JobContext, artifact: Artifact, error: Exception, http_status: int | None = None
+) -> NoReturn:
+    """Raise ``error`` so the engine retries; on the last attempt, give up for good.
+
+    Giving up marks the artifact failed with an issue, like a permanent error: left as it
+    was, a due artifact would be enqueued again by the next refresher run, and its dead
+    jobs would pile up for as long as the source is down.
+    """
+    reason = f"{type(error).__name__}: {error}"
+    if ctx.attempt >= ctx.max_attempts:
+        fail(
+            ctx,
+            artifact,
+            f"gave up after attempt {ctx.attempt} of {ctx.max_attempts}: {reason}",
+            http_status=http_status,
+            error=type(error).__name__,
+        )
+    with ctx.atomic():
+        Artifact.objects.filter(pk=artifact.pk).update(last_error=reason[:10_000])
+    log.info("artifact_fetch_retry", artifact_id=artifact.pk, attempt=ctx.attempt, error=reason)
+    raise error
+
+
+def conditional_headers(artifact: Artifact) -> dict[str, str]:
+    """Validators of the last good fetch; none when there is no body to fall back on."""
+    if not artifact.sha256 or not blobs.exists(artifact.sha256):
+        return {}
+    headers = {}
+    if artifact.etag:
+        headers["If-None-Match"] = artifact.etag
+    if artifact.last_modified:
+        headers["If-Modified-Since"] = artifact.last_modified
+    return headers
+
+
+def stored(ctx: JobContext, artifact: Artifact, response: http.Response) -> dict[str, Any]:
+    """A body arrived: keep it, and re-index it if its hash is new."""
+    digest = blobs.store(response.body)  # before the transaction; storing twice is harmless
+    previous = artifact.sha256
+    if digest == previous:
+        return unchanged(ctx, artifact, response, **validators(response))
+    result = outcome(artifact, "stored", response.status, sha256=digest, previous=previous)
+    with ctx.atomic(complete=True, result=result):
+        current = locked(artifact.pk)
+        mark_fetched(
+            ctx,
+            current,
+            response,
+            sha256=digest,
+            size=len(response.body),
+            **validators(response),
+        )
+        enqueue_index(current.pk, digest)
+        unannounced = (
+            bool(previous and current.lastmod) and current.lastmod == current.fetched_lastmod
+        )
+        if unannounced:
+            record_unless_open(
+                IssueKind.CONTENT_CHANGED_UNANNOUNCED,
+                current.url,
+                current.source.name,
+                issue_details(
+                    ctx,
+                    current,
+                    http_status=response.status,
+                    old_sha256=previous,
+                    new_sha256=digest,
+                    lastmod=current.lastmod,
+                ),
+            )
+    log.info("artifact_fetched", **result, source=artifact.source.name, unannounced=unannounced)
+    return result
+
+
+def unchanged(
+    ctx: JobContext, artifact: Artifact, response: http.Response, **fresh: str
+) -> dict[str, Any]:
+    """304, or the same bytes again: the body stands; only the refresh clock moves.
+
+    ``fresh`` validators come with a 200 of the same bytes, for the next conditional GET.
+    """
+    result = outcome(artifact, "unchanged", response.status, sha256=artifact.sha256)
+    with ctx.atomic(complete=True, result=result):
+        current = locked(artifact.pk)
+        mark_fetched(ctx, current, response, **fresh)
+        if current.state != ArtifactState.FETCHED:  # back from gone or failed: unindexed then
+            enqueue_index(current.pk, current.sha256)
+    log.info("artifact_unchanged", **result, source=artifact.source.name)
+    return result
+
+
+def mark_fetched(ctx: JobContext, current: Artifact, response: http.Response, **body: Any) -> None:
+    """Record a good fetch of ``current`` (locked): the clock, the listed lastmod, issues.
+
+    ``fetched_lastmod`` keeps the ``lastmod`` the listing showed at this fetch: the next
+    fetch compares it with the listing again to tell announced changes from silent ones.
+    """
+    now = db_now()
+    Artifact.objects.filter(pk=current.pk).update(
+        state=ArtifactState.FETCHED,
+        http_status=response.status,
+        fetched_lastmod=current.lastmod,
+        fetched_at=now,
+        refresh_after=now + timedelta(days=current.source.refresh_days),
+        last_error="",
+        **body,
+    )
+    condition = f"fetched again with HTTP {response.status} by job {ctx.job_id}"
+    for kind in (IssueKind.GONE_AT_SOURCE, IssueKind.PERMANENT_FETCH_FAILURE):
+        resolve_cleared(kind, current.source.name, [current.url], condition)
+
+
+def validators(response: http.Response) -> dict[str, str]:
+    """What a 200 says about its body: type, and the validators of the next conditional GET."""
+    return {
+        "content_type": response.headers.get("content-type", "")[:200],
+        "etag": response.headers.get("etag", "")[:500],
+        "last_modified": response.headers.get("last-modified", "")[:100],
+    }
+
+
+def enqueue_index(artifact_id: int, sha256: str) -> None:
+    """Have the search side index this body; one job per (artifact, body)."""
+    enqueue(INDEX_ARTIFACT, {"artifact_id": artifact_id}, unique_key=index_key(artifact_id, sha256))
+
+
+def gone(ctx: JobContext, artifact: Artifact, response: http.Response) -> dict[str, Any]:
+    """404 or 410: the source no longer has it. Not an error of the job, so it succeeds."""
+    result = outcome(artifact, "gone", response.status)
+    with ctx.atomic(complete=True, result=result):
+        Artifact.objects.filter(pk=artifact.pk).update(
+            state=ArtifactState.GONE,
+            http_status=response.status,
+            refresh_after=None,
+            last_error=f"HTTP {response.status} at the source",
+        )
+        unindex(artifact.pk)
+        record_unless_open(
+            IssueKind.GONE_AT_SOURCE,
+            artifact.url,
+            artifact.source.name,
+            issue_details(ctx, artifact, http_status=response.status, sha256=artifact.sha256),
+        )
+    log.warning("artifact_gone", **result, source=artifact.source.name)
+    return result
+
+
+def fail(
+    ctx: JobContext,
+    artifact: Artifact,
+    reason: str,
+    *,
+    http_status: int | None = None,
+    **extra: Any,
+) -> NoReturn:
+    """Retrying cannot help: mark the artifact failed and open an issue, then go ``dead``.
+
+    The issue commits in its own fenced transaction before ``PermanentError`` is raised,
+    so the operator sees why the job died even though the job itself fails.
+    """
+    with ctx.atomic():
+        Artifact.objects.filter(pk=artifact.pk).update(
+            state=ArtifactState.FAILED,
+            http_status=http_status,
+            refresh_after=None,
+            last_error=reason[:10_000],
+        )
+        unindex(artifact.pk)
+        record_unless_open(
+            IssueKind.PERMANENT_FETCH_FAILURE,
+            artifact.url,
+            artifact.source.name,
+            issue_details(ctx, artifact, http_status=http_status, reason=reason, **extra),
+        )
+    log.warning(
+        "artifact_failed", artifact_id=artifact.pk, source=artifact.source.name, reason=reason
+    )
+    raise PermanentError(f"{artifact.url}: {reason}")
+
+
+def locked(artifact_id: int) -> Artifact:
+    """The artifact as it is now (discovery may have listed a new ``lastmod``), locked."""
+    return (
+        Artifact.objects.select_for_update(of=("self",))
+        .select_related("source")
+        .get(pk=artifact_id)
+    )
+
+
+def outcome(artifact: Artifact, what: str, status: int, **fields: Any) -> dict[str, Any]:
+    return {"artifact_id": artifact.pk, "outcome": what, "http_status": status, **fields}
+
+
+def issue_details(ctx: JobContext, artifact: Artifact, **fields: Any) -> dict[str, Any]:
+    return {"artifact_id": artifact.pk, "job_id": ctx.job_id, **fields}
+
+
+# --- enqueueing fetches: discovery, the refresher, force_refresh ------------------------
+
+
+def without_active_fetch(artifacts: QuerySet[Artifact]) -> QuerySet[Artifact]:
+    """``artifacts`` minus those whose fetch job is already queued or running."""
+    active = Job.objects.filter(
+        unique_key=Concat(Value("fetch:"), Cast(OuterRef("pk"), CharField())),
+        state__in=ACTIVE_STATES,
+    )
+    return artifacts.exclude(Exists(active))
+
+
+def enqueue_fetches(artifacts: QuerySet[Artifact], limit: int | None = None) -> list[int]:
+    """Enqueue a fetch for each artifact (at most ``limit``) not already being fetched.
+
+    Returns the ids of the artifacts that got a new job. The unique key ``fetch:<id>``
+    keeps this true under races with another enqueuer: the loser gets the existing job.
+    """
+    ids = list(without_active_fetch(artifacts).values_list("pk", flat=True)[:limit])
+    enqueued = []
+    with transaction.atomic():
+        for pk in ids:
+            if enqueue(FETCH_KIND, {"artifact_id": pk}, unique_key=fetch_key(pk)) is not None:
+                enqueued.append(pk)
+    return enqueued
+
+
+@refresher("artifacts", batch=REFRESH_BATCH)
+def refresh_due(limit: int) -> int:
+    """Enqueue refreshes for at most ``limit`` fetched artifacts past ``refresh_after``.
+
+    Those already queued are skipped, so each call takes the next batch of the backlog.
+    """
+    return len(enqueue_fetches(stale().order_by("refresh_after", "pk"), limit))
+
+
+def stale() -> QuerySet[Artifact]:
+    """Fetched artifacts whose ``refresh_after`` has passed (database clock)."""
+    return Artifact.objects.filter(state=ArtifactState.FETCHED, refresh_after__lte=Now())
+
+
+# --- discovery hooks -------------------------------------------------------------------
+
+
+def fetch_discovered(source: Source, new_ids: list[int], changed_ids: list[int]) -> None:
+    """New items and items whose listed ``lastmod`` changed get a fetch.
+
+    Runs inside the discovery page's transaction, so the jobs exist iff the page commits.
+    A changed ``lastmod`` also clears ``content_changed_unannounced``: the source now
+    announces what it changed.
+    """
+    ids = [*new_ids, *changed_ids]
+    for start in range(0, len(ids), IDS_PER_QUERY):
+        enqueue_fetches(Artifact.objects.filter(pk__in=ids[start : start + IDS_PER_QUERY]))
+    for start in range(0, len(changed_ids), IDS_PER_QUERY):
+        urls = Artifact.objects.filter(pk__in=changed_ids[start : start + IDS_PER_QUERY])
+        resolve_cleared(
+            IssueKind.CONTENT_CHANGED_UNANNOUNCED,
+            source.name,
+            urls.values("url"),
+            "the source lists a new lastmod",
+        )
+
+
+def reconcile_run(run: DiscoveryRun) -> None:
+    """After a completed run: what it did not list is missing; what it listed is back.
+
+    Runs inside the run's final transaction. Each missing artifact gets one open
+    ``missing_from_source`` issue however many runs miss it; artifacts seen again resolve
+    theirs. Gone artifacts the source still lists are fetched again, which is how a page
+    that comes back clears its ``gone_at_source`` issue.
+    """
+    source = run.source
+    seen = Artifact.objects.filter(source=source, last_seen_run=run)
+    resolve_cleared(
+        IssueKind.MISSING_FROM_SOURCE,
+        source.name,
+        seen.values("url"),
+        f"listed again by discovery run {run.pk}",
+    )
+    for artifact in not_listed(run):
+        record(
+            IssueKind.MISSING_FROM_SOURCE,
+            artifact.url,
+            source.name,
+            {
+                "artifact_id": artifact.pk,
+                "run_id": run.pk,
+                "last_seen_run_id": artifact.last_seen_run_id,
+                "last_seen_at": timestamp(artifact.last_seen_at),
+            },
+        )
+    refetched = enqueue_fetches(seen.filter(state=ArtifactState.GONE))
+    log.info(
+        "discovery_run_reconciled", run_id=run.pk, source=source.name, refetch_gone=len(refetched)
+    )
+
+
+def not_listed(run: DiscoveryRun) -> QuerySet[Artifact]:
+    """The source's artifacts this run did not list and that have no open issue saying so."""
+    open_issue = ReconciliationIssue.objects.filter(
+        kind=IssueKind.MISSING_FROM_SOURCE,
+        status=IssueStatus.OPEN,
+        source=run.source.name,
+        subject=OuterRef("url"),
+    )
+    return (
+        Artifact.objects.filter(source=run.source)
+        .exclude(last_seen_run=run)
+        .exclude(Exists(open_issue))
+        .order_by("pk")
+    )
+
+
+def connect(hooks: list[Callable[..., None]], func: Callable[..., None]) -> None:
+    if func not in hooks:
+        hooks.append(func)
+
+
+connect(discovery.items_discovered, fetch_discovered)
+connect(discovery.run_completed, reconcile_run)
+
+
+# --- listing ---------------------------------------------------------------------------
+
+
+def artifacts(source: str | None = None, state: str | None = None) -> QuerySet[Artifact]:
+    """Artifacts matching the filters, newest first. An unknown source is bad input."""
+    if state is not None and state not in ArtifactState.values:
+        raise InvalidJob(f"state must be one of {', '.join(ArtifactState.values)}, not {state!r}")
+    found = Artifact.objects.select_related("source").order_by("-pk")
+    if source is not None:
+        if not Source.objects.filter(name=source).exists():
+            raise InvalidJob(f"no source named {source!r}")
+        found = found.filter(source__name=source)
+    if state:
+        found = found.filter(state=state)
+    return found
+
+
+def artifact_dict(artifact: Artifact) -> dict[str, Any]:
+    return {
+        "id": artifact.pk,
+        "source": artifact.source.name,
+        "url": artifact.url,
+        "state": artifact.state,
+        "title": artifact.title or None,
+        "lastmod": artifact.lastmod or None,
+        "sha256": artifact.sha256 or None,
+        "size": artifact.size,
+        "content_type": artifact.content_type or None,
+        "http_status": artifact.http_status,
+        "discovered_at": timestamp(artifact.discovered_at),
+        "last_seen_at": timestamp(artifact.last_seen_at),
+        "fetched_at": timestamp(artifact.fetched_at),
+        "refresh_after": timestamp(artifact.refresh_after),
+        "last_error": artifact.last_error or None,
+    }

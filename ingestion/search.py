@@ -1,0 +1,283 @@
+"""Full-text search over artifacts (DESIGN §11): text extraction, indexing and queries.
+
+``ingestion.index_artifact`` (enqueued by the fetch when a body changed) reads the body
+from the blob store, extracts its text and writes the ``ArtifactText`` row in the same
+fenced transaction that completes the job, so a stale attempt cannot write and the text
+of one body lands exactly once. ``unindex`` removes an artifact from the index, inside
+the caller's transaction (the fetch calls it when an artifact is gone or failed).
+``search`` answers ``manage.py search`` and ``GET /internal/v1/search/``.
+"""
+
+from __future__ import annotations
+
+import codecs
+import re
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+from xml.etree.ElementTree import Element, ParseError
+
+from bs4 import BeautifulSoup
+from defusedxml import DefusedXmlException
+from defusedxml.ElementTree import fromstring as parse_xml
+from django.db import transaction
+
+from jobs.context import JobContext
+from jobs.exceptions import InvalidJob, PermanentError
+from jobs.log import get_logger
+from jobs.serialization import timestamp
+
+from . import blobs, search_sql
+from .models import Artifact, ArtifactState, ArtifactText
+from .sources import get_source
+
+log = get_logger("ingestion.search")
+
+INDEX_ARTIFACT = "ingestion.index_artifact"
+
+DEFAULT_LIMIT = 10
+MAX_LIMIT = 100
+MAX_QUERY_CHARS = 1000
+# Beyond this the text is cut: PostgreSQL refuses a tsvector over 1 MB, and positions
+# past 16,383 are not told apart anyway.
+MAX_TEXT_CHARS = 262_144
+
+HTML_TYPES = {"text/html", "application/xhtml+xml"}
+XML_TYPES = {"application/xml", "text/xml"}
+TEXT_TYPES = {"text/plain"}
+UNWANTED_HTML = ["script", "style", "noscript", "template"]
+
+
+class NotIndexable(Exception):
+    """The body has no text this index can take: its type, or it does not parse."""
+
+
+@dataclass(frozen=True)
+class Extracted:
+    title: str
+    text: str
+
+
+# --- extraction --------------------------------------------------------------------------
+
+
+def extract(body: bytes, content_type: str) -> Extracted:
+    """The title and plain text of a body, by its media type; ``NotIndexable`` otherwise."""
+    media_type, charset = parse_content_type(content_type)
+    if media_type in HTML_TYPES:
+        extracted = extract_html(body, charset)
+    elif media_type in XML_TYPES or media_type.endswith("+xml"):
+        extracted = extract_xml(body)
+    elif media_type in TEXT_TYPES:
+        extracted = Extracted("", body.decode(charset or "utf-8", errors="replace"))
+    else:
+        raise NotIndexable(f"content type {media_type or '(none)'!r} is not indexed")
+    return Extracted(clean(extracted.title), clean(extracted.text)[:MAX_TEXT_CHARS])
+
+
+def parse_content_type(content_type: str) -> tuple[str, str | None]:
+    """``text/html; charset=UTF-8`` as ``("text/html", "utf-8")``; a bad charset is None."""
+    media_type, _, params = content_type.partition(";")
+    charset = None
+    for param in params.split(";"):
+        name, _, value = param.partition("=")
+        if name.strip().lower() == "charset":
+            charset = value.strip().strip("\"'").lower() or None
+    if charset is not None:
+        try:
+            codecs.lookup(charset)
+        except LookupError:
+            charset = None
+    return media_type.strip().lower(), charset
+
+
+def extract_html(body: bytes, charset: str | None) -> Extracted:
+    soup = BeautifulSoup(body, "html.parser", from_encoding=charset)
+    for element in soup(UNWANTED_HTML):
+        element.decompose()
+    title = ""
+    if soup.title is not None:
+        title = soup.title.get_text(" ")
+        soup.title.decompose()
+    return Extracted(title, soup.get_text(" "))
+
+
+def extract_xml(body: bytes) -> Extracted:
+    """Every text node; the first ``title`` element (any namespace) as the title.
+
+    defusedxml refuses entity declarations and external references, so a hostile
+    document can neither expand into gigabytes nor read local files.
+    """
+    try:
+        root = parse_xml(body)
+    except (ParseError, DefusedXmlException) as exc:
+        raise NotIndexable(f"the XML does not parse: {type(exc).__name__}: {exc}") from None
+    title = next((" ".join(el.itertext()) for el in root.iter() if local_name(el) == "title"), "")
+    return Extracted(title, " ".join(root.itertext()))
+
+
+def local_name(element: Element) -> str:
+    tag = element.tag if isinstance(element.tag, str) else ""
+    return tag.rpartition("}")[2].lower()
+
+
+def clean(text: str) -> str:
+    """One line of words: runs of whitespace as one space, NUL (PostgreSQL refuses it) gone."""
+    return " ".join(text.replace("\x00", " ").split())
+
+
+# --- indexing ----------------------------------------------------------------------------
+
+
+def index_artifact(ctx: JobContext, artifact_id: int) -> dict[str, Any]:
+    """The body of the ``ingestion.index_artifact`` job: index the artifact's current body.
+
+    The write is fenced and completes the job (``ctx.atomic(complete=True)``). It also
+    checks, with the artifact's row locked, that the artifact is still as it was read: if
+    a newer fetch replaced the body meanwhile, that fetch's own index job indexes the new
+    one, and this job writes nothing rather than put older text back (or take it out).
+    """
+    artifact = Artifact.objects.filter(pk=artifact_id).first()
+    if artifact is None:
+        return finish(ctx, artifact_id, None, "the artifact no longer exists")
+    if artifact.state != ArtifactState.FETCHED or not artifact.sha256:
+        return finish(ctx, artifact_id, artifact, f"the artifact is {artifact.state}, not fetched")
+    try:
+        body = blobs.read(artifact.sha256)
+    except FileNotFoundError:
+        raise PermanentError(
+            f"blob {artifact.sha256} of artifact {artifact_id} is missing"
+        ) from None
+    try:
+        extracted = extract(body, artifact.content_type)
+    except NotIndexable as exc:
+        return finish(ctx, artifact_id, artifact, str(exc))
+    result = {"artifact_id": artifact_id, "indexed": True, "sha256": artifact.sha256}
+    with ctx.atomic(complete=True, result=result):
+        if not unchanged_since(artifact):
+            log.info("artifact_index_skipped", artifact_id=artifact_id, reason="body replaced")
+            result.update(indexed=False, reason="a newer fetch replaced this body")
+            return result
+        write(artifact_id, artifact.sha256, extracted)
+    log.info(
+        "artifact_indexed",
+        artifact_id=artifact_id,
+        sha256=artifact.sha256,
+        chars=len(extracted.text),
+    )
+    return result
+
+
+def finish(
+    ctx: JobContext, artifact_id: int, artifact: Artifact | None, reason: str
+) -> dict[str, Any]:
+    """Complete the job without indexing, taking any older text of the artifact out."""
+    result = {"artifact_id": artifact_id, "indexed": False, "reason": reason}
+    with ctx.atomic(complete=True, result=result):
+        if artifact is not None and unchanged_since(artifact):
+            unindex(artifact_id)
+    log.warning("artifact_not_indexed", artifact_id=artifact_id, reason=reason)
+    return result
+
+
+def unchanged_since(artifact: Artifact) -> bool:
+    """Lock the artifact's row; True if its state and body are still those of ``artifact``."""
+    now = Artifact.objects.select_for_update().filter(pk=artifact.pk).values("state", "sha256")
+    return now.first() == {"state": artifact.state, "sha256": artifact.sha256}
+
+
+def write(artifact_id: int, digest: str, extracted: Extracted) -> None:
+    """Replace the artifact's searchable text (inside the caller's transaction)."""
+    ArtifactText.objects.update_or_create(
+        artifact_id=artifact_id,
+        defaults={"title": extracted.title, "text": extracted.text, "sha256": digest},
+    )
+    search_sql.write_document(artifact_id)
+    Artifact.objects.filter(pk=artifact_id).update(indexed_sha256=digest)
+    if extracted.title:
+        Artifact.objects.filter(pk=artifact_id, title="").update(title=extracted.title)
+
+
+def unindex(artifact_id: int) -> bool:
+    """Take an artifact out of the index; True if it was in it.
+
+    Call it inside the transaction that marks the artifact gone or failed, so the two
+    commit together.
+    """
+    with transaction.atomic():
+        deleted, _ = ArtifactText.objects.filter(artifact_id=artifact_id).delete()
+        Artifact.objects.filter(pk=artifact_id).exclude(indexed_sha256="").update(indexed_sha256="")
+    if deleted:
+        log.info("artifact_unindexed", artifact_id=artifact_id)
+    return bool(deleted)
+
+
+# --- queries -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Hit:
+    artifact_id: int
+    url: str
+    source: str
+    title: str
+    snippet: str
+    rank: float
+    fetched_at: datetime | None
+
+
+def search(query: str, source: str | None = None, limit: int = DEFAULT_LIMIT) -> list[Hit]:
+    """The best ``limit`` artifacts for ``query``, best first.
+
+    ``query`` is untrusted user text: any text is a valid query, and only a blank one (or
+    one that cannot be stored or is too long) is bad input. An unknown source raises
+    ``SourceNotFound`` (bad input on the command line, a 404 over HTTP).
+    """
+    query = checked_query(query)
+    if isinstance(limit, bool) or not 1 <= limit <= MAX_LIMIT:
+        raise InvalidJob(f"limit must be from 1 to {MAX_LIMIT}, not {limit!r}")
+    source_id = None if source is None else get_source(source).pk
+    found = search_sql.matches(query, source_id, limit)
+    artifacts = Artifact.objects.select_related("source").in_bulk(
+        [match.artifact_id for match in found]
+    )
+    return [
+        hit_of(artifacts[match.artifact_id], match)
+        for match in found
+        if match.artifact_id in artifacts
+    ]
+
+
+def checked_query(query: str) -> str:
+    query = query.strip()
+    if not query:
+        raise InvalidJob("the search query is blank")
+    if len(query) > MAX_QUERY_CHARS:
+        raise InvalidJob(f"the search query is longer than {MAX_QUERY_CHARS} characters")
+    if "\x00" in query or re.search(r"[\ud800-\udfff]", query):
+        raise InvalidJob("the search query contains a NUL character or invalid Unicode")
+    return query
+
+
+def hit_of(artifact: Artifact, match: search_sql.Match) -> Hit:
+    return Hit(
+        artifact_id=artifact.pk,
+        url=artifact.url,
+        source=artifact.source.name,
+        title=match.title or artifact.title,
+        snippet=match.snippet,
+        rank=round(match.rank, 6),
+        fetched_at=artifact.fetched_at,
+    )
+
+
+def hit_dict(hit: Hit) -> dict[str, Any]:
+    return {
+        "url": hit.url,
+        "source": hit.source,
+        "title": hit.title,
+        "snippet": hit.snippet,
+        "rank": hit.rank,
+        "fetched_at": timestamp(hit.fetched_at),
+        "artifact_id": hit.artifact_id,
+    }

@@ -1,0 +1,177 @@
+"""Sources: named places to discover documents, each with its own discovery schedule.
+
+Every enabled source contributes one schedule, ``discover:<name>``, through the
+``sources`` schedule provider; adding or disabling a source syncs the schedule rows at
+once. A source without an explicit cron runs daily at a minute derived from its name, so
+many sources spread over the day instead of all firing at midnight.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from datetime import UTC, datetime
+from typing import Any
+
+from cronsim import CronSim, CronSimError
+from django.core.exceptions import ValidationError
+from django.core.validators import URLValidator, validate_slug
+from django.db import IntegrityError, transaction
+from django.db.models.functions import Now
+
+from jobs import scheduler
+from jobs.exceptions import HoldfastError, InvalidJob
+from jobs.log import get_logger
+from jobs.schedules import Declared, schedule_provider
+from jobs.serialization import timestamp
+
+from .models import DiscoveryRun, Source, SourceKind
+
+log = get_logger("ingestion.sources")
+
+DISCOVER_KIND = "ingestion.discover_source"
+NAME_MAX_LENGTH = 100
+URL_MAX_LENGTH = 2000
+MAX_PAGES_PER_RUN = 100_000
+
+
+class SourceNotFound(HoldfastError, LookupError):
+    """No source has this name."""
+
+
+def spread_schedule(name: str) -> str:
+    """A daily cron at a minute of the day that depends only on the name (stable, spread)."""
+    digest = int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "big")
+    minute_of_day = digest % (24 * 60)
+    return f"{minute_of_day % 60} {minute_of_day // 60} * * *"
+
+
+def schedule_name(source_name: str) -> str:
+    return f"discover:{source_name}"
+
+
+def add_source(
+    name: str,
+    kind: str,
+    url: str,
+    schedule: str | None = None,
+    spacing: float = 1.0,
+    max_pages_per_run: int = 10,
+) -> Source:
+    """Create a source and its discovery schedule; bad input raises ``InvalidJob``."""
+    _validate(name, kind, url, schedule, spacing, max_pages_per_run)
+    cron = schedule or spread_schedule(name)
+    if Source.objects.filter(name=name).exists():
+        raise InvalidJob(f"a source named {name!r} already exists")
+    try:
+        with transaction.atomic():
+            source = Source.objects.create(
+                name=name,
+                kind=kind,
+                url=url,
+                schedule=cron,
+                spacing_seconds=spacing,
+                max_pages_per_run=max_pages_per_run,
+            )
+    except IntegrityError:
+        raise InvalidJob(f"a source named {name!r} already exists") from None
+    log.info("source_added", source=name, kind=kind, url=url, schedule=cron, spacing=spacing)
+    scheduler.sync()
+    return source
+
+
+def _validate(
+    name: str, kind: str, url: str, schedule: str | None, spacing: float, max_pages: int
+) -> None:
+    try:
+        validate_slug(name)
+    except ValidationError:
+        raise InvalidJob(
+            f"source name {name!r} must be a slug: letters, digits, '-' and '_'"
+        ) from None
+    if len(name) > NAME_MAX_LENGTH:
+        raise InvalidJob(f"source name must be at most {NAME_MAX_LENGTH} characters")
+    if kind not in SourceKind.values:
+        raise InvalidJob(f"source kind must be one of {', '.join(SourceKind.values)}, not {kind!r}")
+    try:
+        URLValidator(schemes=["http", "https"])(url)
+    except ValidationError:
+        raise InvalidJob(f"not an http(s) URL: {url!r}") from None
+    if len(url) > URL_MAX_LENGTH:
+        raise InvalidJob(f"the URL must be at most {URL_MAX_LENGTH} characters")
+    if schedule is not None:
+        try:
+            CronSim(schedule, datetime.now(UTC))
+        except CronSimError as exc:
+            raise InvalidJob(f"bad cron schedule {schedule!r}: {exc}") from None
+    if not (math.isfinite(spacing) and spacing >= 0):
+        raise InvalidJob(f"spacing must be a number of seconds >= 0, not {spacing!r}")
+    if not 1 <= max_pages <= MAX_PAGES_PER_RUN:
+        raise InvalidJob(f"max pages per run must be from 1 to {MAX_PAGES_PER_RUN}")
+
+
+def get_source(name: str) -> Source:
+    try:
+        return Source.objects.get(name=name)
+    except Source.DoesNotExist:
+        raise SourceNotFound(f"no source named {name!r}") from None
+
+
+def disable_source(name: str) -> Source:
+    """Stop discovering a source: its schedule goes; its artifacts and runs stay."""
+    source = get_source(name)
+    if not source.enabled:
+        return source
+    Source.objects.filter(pk=source.pk, enabled=True).update(enabled=False, disabled_at=Now())
+    log.info("source_disabled", source=name)
+    scheduler.sync()
+    return get_source(name)
+
+
+def source_dict(source: Source) -> dict[str, Any]:
+    """The JSON shape of a source, with its latest discovery run."""
+    run = source.runs.order_by("-pk").first()
+    return {
+        "name": source.name,
+        "kind": source.kind,
+        "url": source.url,
+        "schedule": source.schedule,
+        "spacing_seconds": source.spacing_seconds,
+        "max_pages_per_run": source.max_pages_per_run,
+        "refresh_days": source.refresh_days,
+        "enabled": source.enabled,
+        "created_at": timestamp(source.created_at),
+        "disabled_at": timestamp(source.disabled_at),
+        "robots_fetched_at": timestamp(source.robots_fetched_at),
+        "artifacts": source.artifacts.count(),
+        "last_run": None if run is None else run_dict(run),
+    }
+
+
+def run_dict(run: DiscoveryRun) -> dict[str, Any]:
+    return {
+        "id": run.pk,
+        "state": run.state,
+        "pages": run.pages,
+        "items": run.items,
+        "jobs": run.jobs,
+        "pending_pages": len(run.cursor),
+        "started_at": timestamp(run.started_at),
+        "finished_at": timestamp(run.finished_at),
+        "error": run.error or None,
+    }
+
+
+@schedule_provider("sources")
+def source_schedules() -> list[Declared]:
+    """One discovery schedule per enabled source (cron in UTC)."""
+    return [
+        Declared(
+            name=schedule_name(source.name),
+            kind=DISCOVER_KIND,
+            cron=source.schedule,
+            args={"source": source.name},
+            origin="source",
+        )
+        for source in Source.objects.filter(enabled=True).order_by("name")
+    ]

@@ -1,0 +1,347 @@
+"""Fetching artifacts from a real HTTP site on 127.0.0.1, refreshing them, and the commands.
+
+Each fetch runs as a real ``ingestion.fetch_artifact`` job in an in-process burst worker,
+so retries, dead jobs and fenced writes are the engine's own.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterator
+from datetime import timedelta
+
+import pytest
+from django.db.models import F
+from django.utils import timezone
+
+from demo.site import FixtureSite
+from ingestion import blobs
+from ingestion.artifacts import FETCH_KIND, enqueue_fetches
+from ingestion.models import Artifact, IssueKind, ReconciliationIssue, Source
+from ingestion.search import INDEX_ARTIFACT
+from jobs import enqueue, refresh
+from jobs.models import Job, State
+
+from .helpers import exit_code, run, run_json
+
+DOC = "/docs/a.html"
+
+
+@pytest.fixture(autouse=True)
+def blob_dir(settings, tmp_path):
+    settings.HOLDFAST_BLOB_DIR = tmp_path / "blobs"
+
+
+@pytest.fixture
+def site() -> Iterator[FixtureSite]:
+    with FixtureSite(slow_seconds=3.0) as site:
+        site.add(DOC, "A", "first text")
+        yield site
+
+
+@pytest.fixture
+def source(site: FixtureSite, transactional_db: None) -> Source:
+    return make_source(site, "local")
+
+
+def make_source(site: FixtureSite, name: str, **fields: object) -> Source:
+    return Source.objects.create(
+        name=name,
+        kind="sitemap",
+        url=site.url("/sitemap.xml"),
+        schedule="0 3 * * *",
+        spacing_seconds=0,
+        **fields,
+    )
+
+
+def artifact_at(source: Source, path: str) -> Artifact:
+    return Artifact.objects.create(source=source, url=source.url.replace("/sitemap.xml", path))
+
+
+def fetch(run_worker, artifact: Artifact) -> Job:
+    """Enqueue a fetch of ``artifact``, run the worker until idle; the fetch job, reloaded."""
+    [artifact_id] = enqueue_fetches(Artifact.objects.filter(pk=artifact.pk))
+    run_worker()
+    artifact.refresh_from_db()
+    return Job.objects.filter(kind=FETCH_KIND, args__artifact_id=artifact_id).latest("pk")
+
+
+def issues_of(artifact: Artifact, kind: str) -> list[ReconciliationIssue]:
+    return list(ReconciliationIssue.objects.filter(kind=kind, subject=artifact.url).order_by("pk"))
+
+
+def index_jobs(artifact: Artifact) -> list[Job]:
+    return list(Job.objects.filter(kind=INDEX_ARTIFACT, args__artifact_id=artifact.pk))
+
+
+# --- fetching --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("refresh_days", [28, 3])
+def test_a_fetch_stores_the_body_by_sha256_with_its_metadata(site, run_worker, refresh_days):
+    source = make_source(site, "local", refresh_days=refresh_days)
+    artifact = artifact_at(source, DOC)
+    job = fetch(run_worker, artifact)
+
+    document = site.documents[DOC]
+    digest = hashlib.sha256(document.body).hexdigest()
+    assert job.state == State.SUCCEEDED
+    assert job.result["outcome"] == "stored"
+    assert (artifact.state, artifact.sha256, artifact.size) == (
+        "fetched",
+        digest,
+        len(document.body),
+    )
+    assert blobs.read(digest) == document.body
+    assert artifact.http_status == 200
+    assert artifact.content_type.startswith("text/html")
+    assert artifact.etag == document.etag
+    assert artifact.last_modified.endswith("GMT")
+    assert artifact.refresh_after - artifact.fetched_at == timedelta(days=refresh_days)
+    [index] = index_jobs(artifact)
+    assert index.unique_key == f"index:{artifact.pk}:{digest}"
+    assert index.args == {"artifact_id": artifact.pk}
+
+
+def test_a_second_fetch_is_conditional_and_a_304_only_moves_the_refresh_clock(
+    site, source, run_worker
+):
+    artifact = artifact_at(source, DOC)
+    fetch(run_worker, artifact)
+    Artifact.objects.filter(pk=artifact.pk).update(
+        fetched_at=F("fetched_at") - timedelta(days=1),
+        refresh_after=F("refresh_after") - timedelta(days=1),
+    )
+    artifact.refresh_from_db()
+    before = artifact
+
+    job = fetch(run_worker, Artifact.objects.get(pk=artifact.pk))
+    after = Artifact.objects.get(pk=artifact.pk)
+    last_request = site.requests_to(DOC)[-1]
+    assert last_request.headers["if-none-match"] == before.etag
+    assert last_request.headers["if-modified-since"] == before.last_modified
+    assert job.result["outcome"] == "unchanged"
+    assert after.http_status == 304
+    assert after.refresh_after > before.refresh_after
+    assert after.fetched_at > before.fetched_at
+    assert after.refresh_after - after.fetched_at == timedelta(days=28)
+    unchanged = ("sha256", "size", "etag", "last_modified", "content_type", "state")
+    assert [getattr(after, f) for f in unchanged] == [getattr(before, f) for f in unchanged]
+    assert len(index_jobs(artifact)) == 1  # no re-indexing of the same body
+
+
+def test_a_changed_body_gets_a_new_hash_and_is_indexed_again(site, source, run_worker):
+    artifact = artifact_at(source, DOC)
+    fetch(run_worker, artifact)
+    first = artifact.sha256
+    site.change(DOC, "second text")
+
+    job = fetch(run_worker, artifact)
+    assert job.result["outcome"] == "stored"
+    assert artifact.sha256 == hashlib.sha256(site.documents[DOC].body).hexdigest() != first
+    assert blobs.exists(first) and blobs.exists(artifact.sha256)
+    keys = sorted(job.unique_key for job in index_jobs(artifact))
+    assert keys == sorted(
+        [f"index:{artifact.pk}:{first}", f"index:{artifact.pk}:{artifact.sha256}"]
+    )
+    assert not ReconciliationIssue.objects.exists()  # nothing listed a lastmod: no verdict
+
+
+@pytest.mark.parametrize("status", [404, 410])
+def test_404_and_410_mark_the_artifact_gone_with_one_issue(source, run_worker, status):
+    artifact = artifact_at(source, f"/status/{status}")
+    job = fetch(run_worker, artifact)
+    assert job.state == State.SUCCEEDED  # the source answered; nothing to retry
+    assert (artifact.state, artifact.http_status, artifact.refresh_after) == ("gone", status, None)
+    [issue] = issues_of(artifact, IssueKind.GONE_AT_SOURCE)
+    assert issue.status == "open" and issue.source == "local"
+    assert issue.details["http_status"] == status
+    assert issue.details["job_id"] == job.pk
+    assert issue.details["artifact_id"] == artifact.pk
+
+    fetch(run_worker, artifact)  # still gone: the same issue stays open, no second one
+    assert len(issues_of(artifact, IssueKind.GONE_AT_SOURCE)) == 1
+
+
+def test_a_500_is_retried_with_backoff(source, run_worker):
+    artifact = artifact_at(source, "/status/500")
+    job = fetch(run_worker, artifact)
+    assert (job.state, job.attempts) == (State.QUEUED, 1)
+    assert job.run_at > timezone.now()
+    assert "answered HTTP 500" in job.last_error
+    assert artifact.state == "discovered"
+    assert "answered HTTP 500" in artifact.last_error  # for list_artifacts
+    assert not ReconciliationIssue.objects.exists()
+
+
+def test_the_last_attempt_at_a_transient_failure_gives_up_with_an_issue(source, run_worker):
+    artifact = artifact_at(source, "/status/503")
+    enqueue(FETCH_KIND, {"artifact_id": artifact.pk}, max_attempts=1)
+    run_worker()
+    job = Job.objects.get(kind=FETCH_KIND)
+    artifact.refresh_from_db()
+    assert job.state == State.DEAD
+    assert (artifact.state, artifact.http_status, artifact.refresh_after) == ("failed", 503, None)
+    [issue] = issues_of(artifact, IssueKind.PERMANENT_FETCH_FAILURE)
+    assert issue.details["reason"].startswith("gave up after attempt 1 of 1: RetryableStatus")
+    assert issue.details["http_status"] == 503
+
+
+def test_a_403_is_permanent_dead_job_and_an_issue(source, run_worker):
+    artifact = artifact_at(source, "/status/403")
+    job = fetch(run_worker, artifact)
+    assert (job.state, job.attempts) == (State.DEAD, 1)
+    assert (artifact.state, artifact.http_status) == ("failed", 403)
+    [issue] = issues_of(artifact, IssueKind.PERMANENT_FETCH_FAILURE)
+    assert issue.details["http_status"] == 403
+    assert issue.details["job_id"] == job.pk
+
+
+def test_an_oversized_body_fails_the_artifact_with_an_issue(source, run_worker, settings):
+    settings.HOLDFAST_FETCH_MAX_BYTES = 1000
+    artifact = artifact_at(source, "/huge")
+    job = fetch(run_worker, artifact)
+    assert job.state == State.DEAD
+    assert artifact.state == "failed"
+    assert "TooLarge" in artifact.last_error
+    [issue] = issues_of(artifact, IssueKind.PERMANENT_FETCH_FAILURE)
+    assert issue.details["error"] == "TooLarge"
+
+
+def test_a_slow_answer_is_a_transient_failure(source, run_worker, settings):
+    settings.HOLDFAST_FETCH_TIMEOUT_SECONDS = 0.5
+    artifact = artifact_at(source, "/slow")
+    job = fetch(run_worker, artifact)
+    assert (job.state, job.attempts) == (State.QUEUED, 1)
+    assert "timed out" in job.last_error
+    assert artifact.state == "discovered"
+    assert not ReconciliationIssue.objects.exists()
+
+
+# --- refreshing ------------------------------------------------------------------------
+
+
+def artifacts_refresher() -> refresh.Refresher:
+    [found] = [item for item in refresh.registered() if item.name == "artifacts"]
+    return found
+
+
+def queued_fetches() -> set[int]:
+    return {
+        job.args["artifact_id"] for job in Job.objects.filter(kind=FETCH_KIND, state=State.QUEUED)
+    }
+
+
+def test_nothing_is_refreshed_before_its_28_days_pass(source, run_worker):
+    artifact = artifact_at(source, DOC)
+    fetch(run_worker, artifact)
+    refresher = artifacts_refresher()
+    assert refresher.func(refresher.batch) == 0
+
+    travel_back = timedelta(days=27, hours=23)  # "27 days and 23 hours later"
+    Artifact.objects.filter(pk=artifact.pk).update(refresh_after=F("refresh_after") - travel_back)
+    assert refresher.func(refresher.batch) == 0
+
+    Artifact.objects.filter(pk=artifact.pk).update(
+        refresh_after=F("refresh_after") - timedelta(hours=2)
+    )
+    assert refresher.func(refresher.batch) == 1
+    assert queued_fetches() == {artifact.pk}
+    assert Job.objects.get(kind=FETCH_KIND, state=State.QUEUED).unique_key == f"fetch:{artifact.pk}"
+    run_worker()
+    artifact.refresh_from_db()
+    assert artifact.refresh_after > timezone.now() + timedelta(days=27)  # the clock moved on
+
+
+def test_due_artifacts_are_refreshed_in_bounded_batches_oldest_first(source):
+    refresher = artifacts_refresher()
+    long_ago = timezone.now() - timedelta(days=60)
+    Artifact.objects.bulk_create(
+        Artifact(
+            source=source,
+            url=f"{source.url}/due/{i}",
+            state="fetched",
+            refresh_after=long_ago + timedelta(minutes=i),
+        )
+        for i in range(refresher.batch * 2 + 7)
+    )
+    Artifact.objects.create(
+        source=source,
+        url=f"{source.url}/fresh",
+        state="fetched",
+        refresh_after=timezone.now() + timedelta(days=1),
+    )
+    due = list(Artifact.objects.filter(url__contains="/due/").order_by("refresh_after"))
+
+    assert refresher.func(refresher.batch) == refresher.batch
+    assert queued_fetches() == {a.pk for a in due[: refresher.batch]}
+    assert refresher.func(refresher.batch) == refresher.batch  # the next batch, not the same
+    assert refresher.func(refresher.batch) == 7
+    assert refresher.func(refresher.batch) == 0  # everything due is queued exactly once
+    assert queued_fetches() == {a.pk for a in due}
+    assert Job.objects.filter(kind=FETCH_KIND).count() == len(due)
+
+
+# --- commands --------------------------------------------------------------------------
+
+
+def test_force_refresh_enqueues_by_artifact_source_or_staleness(site, source):
+    a, b = artifact_at(source, DOC), artifact_at(source, "/docs/b.html")
+    other = make_source(site, "other")
+    artifact_at(other, "/docs/c.html")
+
+    assert run_json("force_refresh", "--artifact", str(a.pk)) == {
+        "enqueued": 1,
+        "artifact_ids": [a.pk],
+        "already_queued": 0,
+    }
+    assert run_json("force_refresh", "--source", "local")["artifact_ids"] == [b.pk]  # a queued
+    assert run("force_refresh", "--source", "local").strip() == (
+        "enqueued 0 fetch(es) (2 already queued or running)"
+    )
+    assert run_json("force_refresh", "--stale")["enqueued"] == 0  # none fetched and due
+    Artifact.objects.filter(source=other).update(
+        state="fetched", refresh_after=timezone.now() - timedelta(minutes=1)
+    )
+    assert run_json("force_refresh", "--stale")["enqueued"] == 1
+    assert {job.unique_key for job in Job.objects.filter(kind=FETCH_KIND)} == {
+        f"fetch:{pk}" for pk in Artifact.objects.values_list("pk", flat=True)
+    }
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        (),
+        ("--stale", "--source", "local"),
+        ("--artifact", "999999"),
+        ("--source", "nowhere"),
+    ],
+)
+def test_force_refresh_bad_input_exits_2(source, args):
+    assert exit_code("force_refresh", *args) == 2
+    assert not Job.objects.exists()
+
+
+def test_list_artifacts_shows_state_hash_and_refresh_after(site, source, run_worker):
+    fetched = artifact_at(source, DOC)
+    fetch(run_worker, fetched)
+    artifact_at(make_source(site, "other"), "/docs/b.html")
+
+    data = run_json("list_artifacts")
+    assert data["count"] == 2
+    by_source = {row["source"]: row for row in data["artifacts"]}
+    row = by_source["local"]
+    assert (row["id"], row["state"], row["sha256"]) == (fetched.pk, "fetched", fetched.sha256)
+    assert row["refresh_after"] == fetched.refresh_after.isoformat()
+    assert by_source["other"]["state"] == "discovered" and by_source["other"]["sha256"] is None
+
+    assert [r["id"] for r in run_json("list_artifacts", "--source", "local")["artifacts"]] == [
+        fetched.pk
+    ]
+    assert run_json("list_artifacts", "--state", "discovered")["artifacts"][0]["source"] == "other"
+    assert run_json("list_artifacts", "--limit", "1")["count"] == 1
+    text = run("list_artifacts", "--source", "local")
+    assert fetched.url in text and fetched.sha256[:12] in text
+    assert exit_code("list_artifacts", "--source", "nowhere") == 2

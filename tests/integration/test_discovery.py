@@ -1,0 +1,281 @@
+"""Discovery against a real site on 127.0.0.1 (demo/site.py): parsing, bounded runs with
+continuations, upserts that repeat harmlessly, failures, and resuming an interrupted run."""
+
+from __future__ import annotations
+
+import gzip
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import pytest
+
+from demo.site import FixtureSite, w3c
+from ingestion import discovery
+from ingestion.discovery import ListingError, parse_listing, start_discovery
+from ingestion.models import Artifact, DiscoveryRun, Source
+from ingestion.sources import DISCOVER_KIND, add_source
+from jobs import engine
+from jobs.models import Job, State
+from jobs.registry import autodiscover
+
+BASE = "https://example.org"
+
+
+# --- parsing -----------------------------------------------------------------------------
+
+
+def test_a_sitemap_index_lists_its_sitemaps_and_a_sitemap_its_urls():
+    index = (
+        b'<?xml version="1.0"?><sitemapindex xmlns="http://www.sitemaps.org/schemas/sitemap/0.9">'
+        b"<sitemap><loc>https://example.org/s1.xml</loc></sitemap>"
+        b"<sitemap><loc> /s2.xml </loc></sitemap></sitemapindex>"
+    )
+    listing = parse_listing(index, f"{BASE}/sitemap.xml")
+    assert (listing.items, listing.pages) == ([], [f"{BASE}/s1.xml", f"{BASE}/s2.xml"])
+    urlset = (
+        b'<urlset xmlns="http://www.sitemaps.org/schemas/sitemap/0.9">'
+        b"<url><loc>https://example.org/a#top</loc><lastmod>2026-11-01</lastmod></url>"
+        b"<url><loc>mailto:someone@example.org</loc></url>"
+        b"<url><loc>https://example.org/b</loc></url></urlset>"
+    )
+    listing = parse_listing(gzip.compress(urlset), f"{BASE}/s1.xml.gz")
+    assert [(item.url, item.lastmod) for item in listing.items] == [
+        (f"{BASE}/a", "2026-11-01"),
+        (f"{BASE}/b", ""),
+    ]
+
+
+def test_feeds_list_entries_and_their_rfc5005_next_page():
+    atom = (
+        b'<feed xmlns="http://www.w3.org/2005/Atom"><title>t</title>'
+        b'<link rel="next" href="/feed?page=2"/>'
+        b'<entry><title>One</title><link href="https://example.org/1"/>'
+        b"<updated>2026-11-02T10:00:00Z</updated></entry></feed>"
+    )
+    listing = parse_listing(atom, f"{BASE}/feed")
+    assert listing.pages == [f"{BASE}/feed?page=2"]
+    assert listing.items == [discovery.Item(f"{BASE}/1", "2026-11-02T10:00:00Z", "One")]
+    rss = (
+        b'<rss version="2.0" xmlns:atom="http://www.w3.org/2005/Atom"><channel><title>t</title>'
+        b"<item><title>Two</title><link>https://example.org/2</link>"
+        b"<pubDate>Mon, 30 Nov 2026 10:00:00 GMT</pubDate></item></channel></rss>"
+    )
+    listing = parse_listing(rss, f"{BASE}/rss")
+    assert listing.pages == []
+    assert listing.items == [discovery.Item(f"{BASE}/2", "Mon, 30 Nov 2026 10:00:00 GMT", "Two")]
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        # The "billion laughs": entity expansion must be refused, not attempted.
+        b'<?xml version="1.0"?><!DOCTYPE lolz [<!ENTITY lol "lol">'
+        b'<!ENTITY lol2 "&lol;&lol;&lol;&lol;&lol;&lol;&lol;&lol;&lol;&lol;">]>'
+        b'<urlset xmlns="http://www.sitemaps.org/schemas/sitemap/0.9"><url><loc>&lol2;</loc>'
+        b"</url></urlset>",
+        b'<?xml version="1.0"?><!DOCTYPE feed [<!ENTITY x SYSTEM "file:///etc/passwd">]>'
+        b'<feed xmlns="http://www.w3.org/2005/Atom"><title>&x;</title></feed>',
+        b"<html><body>not a listing</body></html>",
+        b"<urlset><url><loc>unclosed",
+        b"\x1f\x8bnot really gzip",
+    ],
+)
+def test_unsafe_or_unreadable_listings_are_refused(body):
+    with pytest.raises(ListingError) as refused:
+        parse_listing(body, f"{BASE}/listing.xml")
+    assert f"{BASE}/listing.xml" in str(refused.value)
+
+
+# --- runs ----------------------------------------------------------------------------------
+
+
+@dataclass
+class Hooks:
+    """What discovery told the artifact side, per call."""
+
+    discovered: list[tuple[str, list[int], list[int]]] = field(default_factory=list)
+    completed: list[int] = field(default_factory=list)
+
+
+@pytest.fixture
+def hooks(monkeypatch) -> Hooks:
+    """Discovery's hooks, recorded (instead of the artifact side's fetches)."""
+    autodiscover()  # the artifact side connects its hooks on import: before they are replaced
+    seen = Hooks()
+    monkeypatch.setattr(
+        discovery,
+        "items_discovered",
+        [lambda source, new, changed: seen.discovered.append((source.name, new, changed))],
+    )
+    monkeypatch.setattr(discovery, "run_completed", [lambda run: seen.completed.append(run.pk)])
+    return seen
+
+
+@pytest.fixture
+def site() -> Iterator[FixtureSite]:
+    with FixtureSite(per_sitemap=3, per_feed_page=3) as running:
+        for n in range(1, 8):
+            running.add(f"/docs/{n}.html", f"Document {n}", f"text number {n}")
+        yield running
+
+
+def discover(run_worker, name: str) -> DiscoveryRun:
+    job, _ = start_discovery(Source.objects.get(name=name))
+    assert job is not None
+    run_worker()
+    return DiscoveryRun.objects.filter(source__name=name).latest("pk")
+
+
+def artifacts(name: str) -> dict[str, tuple[str, str]]:
+    rows = Artifact.objects.filter(source__name=name)
+    return {row.url: (row.lastmod, row.title) for row in rows}
+
+
+def documents(site: FixtureSite) -> dict[str, str]:
+    return {site.url(path): w3c(doc.lastmod) for path, doc in site.documents.items()}
+
+
+def test_a_sitemap_index_is_discovered_in_bounded_jobs(site, hooks, run_worker):
+    add_source("docs", "sitemap", site.url("/sitemap.xml"), spacing=0, max_pages_per_run=2)
+    run = discover(run_worker, "docs")
+    # Index + 3 sitemaps = 4 listing pages, 2 per job.
+    assert (run.state, run.pages, run.items, run.jobs) == ("completed", 4, 7, 2)
+    assert run.cursor == [] and run.finished_at >= run.started_at
+    found = artifacts("docs")
+    assert {url: lastmod for url, (lastmod, _) in found.items()} == documents(site)
+    assert set(Artifact.objects.values_list("state", flat=True)) == {"discovered"}
+    jobs = list(Job.objects.filter(kind=DISCOVER_KIND).order_by("pk"))
+    assert [job.state for job in jobs] == [State.SUCCEEDED, State.SUCCEEDED]
+    assert jobs[1].unique_key == f"discover:docs:run{run.pk}:job2"
+    assert jobs[1].args == {"source": "docs", "run": run.pk}
+    assert jobs[1].result == {"run": run.pk, "pages": 2, "new": 4, "changed": 0,
+                              "completed": True, "items": 7}  # fmt: skip
+    new_ids = sorted(pk for _, new, _ in hooks.discovered for pk in new)
+    assert new_ids == sorted(Artifact.objects.values_list("pk", flat=True))
+    assert hooks.completed == [run.pk]
+    listing_requests = [r.path for r in site.requests if r.path != "/robots.txt"]
+    assert listing_requests == ["/sitemap.xml", "/sitemaps/1.xml", "/sitemaps/2.xml",
+                                "/sitemaps/3.xml"]  # fmt: skip
+
+
+def test_a_paged_feed_is_followed_through_its_next_links(site, hooks, run_worker):
+    add_source("news", "feed", site.url("/feed.xml"), spacing=0, max_pages_per_run=1)
+    run = discover(run_worker, "news")
+    assert (run.state, run.pages, run.items, run.jobs) == ("completed", 3, 7, 3)
+    found = artifacts("news")
+    assert {url: lastmod for url, (lastmod, _) in found.items()} == documents(site)
+    assert found[site.url("/docs/1.html")][1] == "Document 1"
+    rss = add_source("rss", "feed", site.url("/rss.xml"), spacing=0)
+    run = discover(run_worker, rss.name)
+    assert (run.state, run.pages, run.items, run.jobs) == ("completed", 3, 7, 1)
+
+
+def test_a_second_run_reports_new_and_changed_items_and_repeats_harmlessly(site, hooks, run_worker):
+    add_source("docs", "sitemap", site.url("/sitemap.xml"), spacing=0, max_pages_per_run=3)
+    first = discover(run_worker, "docs")
+    before = {a.url: (a.pk, a.lastmod, a.discovered_at) for a in Artifact.objects.all()}
+    hooks.discovered.clear()
+    # Nothing changed: the same pages again change nothing but last_seen_run.
+    second = discover(run_worker, "docs")
+    after = {a.url: (a.pk, a.lastmod, a.discovered_at) for a in Artifact.objects.all()}
+    assert after == before
+    assert all(new == [] and changed == [] for _, new, changed in hooks.discovered)
+    assert set(Artifact.objects.values_list("last_seen_run", flat=True)) == {second.pk}
+    # Now one document changes, one goes away, one is added.
+    site.change("/docs/2.html", "new text")
+    site.remove("/docs/5.html")
+    site.add("/docs/8.html", "Document 8", "brand new")
+    hooks.discovered.clear()
+    third = discover(run_worker, "docs")
+    new = [pk for _, ids, _ in hooks.discovered for pk in ids]
+    changed = [pk for _, _, ids in hooks.discovered for pk in ids]
+    assert [Artifact.objects.get(pk=pk).url for pk in new] == [site.url("/docs/8.html")]
+    assert [Artifact.objects.get(pk=pk).url for pk in changed] == [site.url("/docs/2.html")]
+    gone = Artifact.objects.get(url=site.url("/docs/5.html"))
+    assert gone.last_seen_run_id == second.pk  # kept; reconciliation decides what it means
+    assert third.items == 7 and first.items == 7
+    assert hooks.completed[-1] == third.pk
+
+
+def test_a_missing_listing_page_fails_the_run_and_the_job(site, hooks, run_worker):
+    add_source("docs", "sitemap", site.url("/sitemaps/9.xml"), spacing=0)
+    run = discover(run_worker, "docs")
+    assert run.state == "failed" and site.url("/sitemaps/9.xml") in run.error
+    assert "404" in run.error
+    job = Job.objects.get(kind=DISCOVER_KIND)
+    assert job.state == State.DEAD and site.url("/sitemaps/9.xml") in job.last_error
+    # A failed run does not block the next one.
+    site.documents.clear()
+    Source.objects.filter(name="docs").update(url=site.url("/sitemap.xml"))
+    assert discover(run_worker, "docs").state == "completed"
+
+
+def test_a_listing_disallowed_by_robots_fails_the_run(site, hooks, run_worker):
+    site.robots_txt = "User-agent: *\nDisallow: /sitemaps/\n"
+    add_source("docs", "sitemap", site.url("/sitemap.xml"), spacing=0)
+    run = discover(run_worker, "docs")
+    assert run.state == "failed" and "robots.txt" in run.error
+    assert run.pages == 1  # the index was read; its first sitemap was refused
+    assert "/sitemaps/1.xml" not in [request.path for request in site.requests]
+
+
+def test_a_server_error_is_retried_from_the_committed_cursor(site, hooks, run_worker):
+    add_source("docs", "sitemap", site.url("/sitemap.xml"), spacing=0, max_pages_per_run=10)
+    site.redirects["/sitemaps/2.xml"] = "/status/503"
+    job, _ = start_discovery(Source.objects.get(name="docs"))
+    run_worker()
+    job.refresh_from_db()
+    assert job.state == State.QUEUED and job.attempts == 1 and "503" in job.last_error
+    run = DiscoveryRun.objects.get()
+    assert (run.state, run.pages, run.cursor[0]) == ("running", 2, site.url("/sitemaps/2.xml"))
+    del site.redirects["/sitemaps/2.xml"]
+    Job.objects.filter(pk=job.pk).update(run_at=engine.db_now())  # skip the backoff
+    run_worker()
+    run.refresh_from_db()
+    assert (run.state, run.pages, run.items) == ("completed", 4, 7)
+    assert [r.path for r in site.requests].count("/sitemaps/1.xml") == 1
+
+
+def test_an_interrupted_run_is_resumed_not_restarted(site, hooks, run_worker):
+    add_source("docs", "sitemap", site.url("/sitemap.xml"), spacing=0, max_pages_per_run=2)
+    source = Source.objects.get(name="docs")
+    run = DiscoveryRun.objects.create(
+        source=source, cursor=[site.url("/sitemaps/3.xml")], pages=3, jobs=2
+    )
+    job, message = start_discovery(source)
+    assert job is not None and f"resumes interrupted discovery run {run.pk}" in message
+    second, message = start_discovery(source)
+    assert second is None and "already queued" in message
+    run_worker()
+    run.refresh_from_db()
+    assert (run.state, run.pages, run.jobs) == ("completed", 4, 3)
+    assert [r.path for r in site.requests if r.path != "/robots.txt"] == ["/sitemaps/3.xml"]
+    assert DiscoveryRun.objects.count() == 1
+
+
+def test_a_scheduled_discovery_leaves_a_run_in_progress_alone(site, hooks, run_worker):
+    add_source("docs", "sitemap", site.url("/sitemap.xml"), spacing=0, max_pages_per_run=1)
+    source = Source.objects.get(name="docs")
+    run = DiscoveryRun.objects.create(source=source, cursor=[site.url("/sitemaps/1.xml")])
+    continuation = engine.enqueue(
+        DISCOVER_KIND, {"source": "docs", "run": run.pk}, unique_key="continuation", delay=3600
+    )
+    scheduled = engine.enqueue(DISCOVER_KIND, {"source": "docs"})
+    run_worker()
+    scheduled.refresh_from_db()
+    assert scheduled.state == State.SUCCEEDED
+    assert scheduled.result == {"skipped": f"run {run.pk} is in progress (job {continuation.pk})"}
+    assert site.requests == []
+
+
+def test_a_disabled_source_stops_discovering_between_jobs(site, hooks, run_worker):
+    add_source("docs", "sitemap", site.url("/sitemap.xml"), spacing=0, max_pages_per_run=1)
+    source = Source.objects.get(name="docs")
+    run = DiscoveryRun.objects.create(source=source, cursor=[site.url("/sitemaps/1.xml")])
+    continuation = engine.enqueue(DISCOVER_KIND, {"source": "docs", "run": run.pk})
+    Source.objects.filter(pk=source.pk).update(enabled=False)
+    run_worker()
+    continuation.refresh_from_db()
+    assert continuation.state == State.SUCCEEDED
+    assert continuation.result == {"skipped": "source disabled"}
+    assert site.requests == []

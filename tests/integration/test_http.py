@@ -1,0 +1,265 @@
+"""The polite HTTP client against a real server on 127.0.0.1 (demo/site.py): statuses,
+robots.txt, redirects, timeouts, size caps, and spacing within and across processes."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from datetime import timedelta
+from itertools import pairwise
+
+import pytest
+from django.db import connection, transaction
+from django.utils import timezone
+
+from demo.site import FixtureSite
+from ingestion import http
+from ingestion.discovery import start_discovery
+from ingestion.models import Source
+from ingestion.sources import add_source
+from jobs.models import Job, Lease, State
+from tests.process.helpers import job_summary
+from tests.support.workers import WorkerPool, wait_until
+
+pytestmark = pytest.mark.django_db
+
+
+@pytest.fixture
+def site() -> Iterator[FixtureSite]:
+    with FixtureSite(slow_seconds=3.0, huge_bytes=256 * 1024) as running:
+        running.add("/docs/a.html", "Alpha", "the first document")
+        yield running
+
+
+def make_source(site: FixtureSite, spacing: float = 0.0) -> Source:
+    return Source.objects.create(
+        name="fixture",
+        kind="sitemap",
+        url=site.url("/sitemap.xml"),
+        schedule="0 3 * * *",
+        spacing_seconds=spacing,
+    )
+
+
+@pytest.fixture
+def source(site: FixtureSite) -> Source:
+    return make_source(site)
+
+
+def paths(site: FixtureSite) -> list[str]:
+    return [request.path for request in site.requests]
+
+
+def test_every_status_is_a_response_with_the_user_agent_and_headers(site, source, settings):
+    response = http.get(source, site.url("/docs/a.html"))
+    assert response.status == 200
+    assert response.url == site.url("/docs/a.html")
+    assert b"the first document" in response.body
+    assert response.headers["ETAG"] == site.documents["/docs/a.html"].etag  # any case
+    assert response.elapsed > 0
+    for code in (404, 410, 500):
+        assert http.get(source, site.url(f"/status/{code}")).status == code
+    agents = {request.headers["user-agent"] for request in site.requests}
+    assert agents == {settings.HOLDFAST_USER_AGENT}
+    assert settings.HOLDFAST_USER_AGENT.startswith("Holdfast/")
+
+
+def test_conditional_headers_are_sent_and_304_is_returned(site, source):
+    etag = site.documents["/docs/a.html"].etag
+    response = http.get(source, site.url("/docs/a.html"), headers={"If-None-Match": etag})
+    assert (response.status, response.body) == (304, b"")
+    assert site.requests_to("/docs/a.html")[0].headers["if-none-match"] == etag
+
+
+def test_robots_txt_disallow_is_honoured_and_cached_on_the_source(site, source):
+    with pytest.raises(http.RobotsDisallowed) as refused:
+        http.get(source, site.url("/private/page.html"))
+    assert refused.value.transient is False
+    assert site.url("/private/page.html") in str(refused.value)
+    assert "robots.txt" in str(refused.value)
+    http.get(source, site.url("/docs/a.html"))
+    assert paths(site) == ["/robots.txt", "/docs/a.html"]  # fetched once, never /private/
+    source.refresh_from_db()
+    assert "Disallow: /private/" in source.robots_txt
+    assert source.robots_fetched_at is not None
+
+
+def test_robots_txt_is_fetched_again_after_a_day_and_by_other_processes_copy(site, source):
+    http.get(source, site.url("/docs/a.html"))
+    site.robots_txt = "User-agent: *\nDisallow: /docs/\n"
+    a_day_ago = timezone.now() - timedelta(days=1, minutes=1)
+    Source.objects.filter(pk=source.pk).update(robots_fetched_at=a_day_ago)
+    fresh = Source.objects.get(pk=source.pk)
+    with pytest.raises(http.RobotsDisallowed):
+        http.get(fresh, site.url("/docs/a.html"))
+    assert paths(site).count("/robots.txt") == 2
+    # An instance loaded before the refresh reads the row's newer copy, not the site.
+    source.robots_fetched_at = a_day_ago
+    with pytest.raises(http.RobotsDisallowed):
+        http.get(source, site.url("/docs/a.html"))
+    assert paths(site).count("/robots.txt") == 2
+
+
+def test_a_missing_robots_txt_allows_everything(site, source):
+    site.robots_txt = None
+    assert http.get(source, site.url("/private/page.html")).status == 200
+
+
+def test_an_unavailable_robots_txt_is_a_transient_error_and_not_cached(site, source):
+    site.redirects["/robots.txt"] = "/status/503"  # robots.txt redirects are followed
+    with pytest.raises(http.FetchError) as failed:
+        http.get(source, site.url("/docs/a.html"))
+    assert failed.value.transient is True and "robots.txt answered 503" in str(failed.value)
+    assert "/docs/a.html" not in paths(site)
+    del site.redirects["/robots.txt"]
+    assert http.get(source, site.url("/docs/a.html")).status == 200
+
+
+def test_robots_txt_is_matched_against_holdfasts_user_agent(site, source):
+    site.robots_txt = "User-agent: Holdfast\nDisallow: /docs/\n\nUser-agent: *\nDisallow:\n"
+    with pytest.raises(http.RobotsDisallowed):
+        http.get(source, site.url("/docs/a.html"))
+
+
+def test_redirects_are_followed_up_to_five_hops_each_robots_checked(site, source):
+    response = http.get(source, site.url("/redirect/5"))
+    assert (response.status, response.url) == (200, site.url("/redirect/0"))
+    with pytest.raises(http.TooManyRedirects) as refused:
+        http.get(source, site.url("/redirect/6"))
+    assert refused.value.transient is False
+    assert site.url("/redirect/6") in str(refused.value)
+    site.redirects["/go-private"] = "/private/page.html"
+    with pytest.raises(http.RobotsDisallowed):
+        http.get(source, site.url("/go-private"))
+    assert "/private/page.html" not in paths(site)
+
+
+def test_a_slow_server_times_out_as_a_transient_error(site, source, settings):
+    settings.HOLDFAST_FETCH_TIMEOUT_SECONDS = 0.3
+    started = time.monotonic()
+    with pytest.raises(http.FetchError) as failed:
+        http.get(source, site.url("/slow"))
+    assert time.monotonic() - started < 2.5
+    assert failed.value.transient is True
+    assert site.url("/slow") in str(failed.value) and "timed out" in str(failed.value)
+
+
+def test_bodies_over_the_cap_are_abandoned(site, source, settings):
+    with pytest.raises(http.TooLarge) as refused:
+        http.get(source, site.url("/huge"), max_bytes=1024)
+    assert refused.value.transient is False
+    assert site.url("/huge") in str(refused.value) and "1024" in str(refused.value)
+    settings.HOLDFAST_FETCH_MAX_BYTES = 100 * 1024
+    with pytest.raises(http.TooLarge):
+        http.get(source, site.url("/huge"))
+    assert len(http.get(source, site.url("/huge"), max_bytes=300 * 1024).body) == 256 * 1024
+
+
+def test_connection_refused_is_transient_and_names_the_url(source):
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]  # closed again: nothing listens there
+    source.url = f"http://127.0.0.1:{port}/sitemap.xml"
+    with pytest.raises(http.FetchError) as failed:
+        http.get(source, f"http://127.0.0.1:{port}/doc.html")
+    assert failed.value.transient is True
+    assert f"127.0.0.1:{port}" in str(failed.value)
+
+
+def test_non_http_urls_are_refused(source):
+    with pytest.raises(http.FetchError) as refused:
+        http.get(source, "file:///etc/passwd")
+    assert refused.value.transient is False
+
+
+def test_requests_of_one_source_are_spaced(site):
+    source = make_source(site, spacing=0.3)
+    for _ in range(3):
+        http.get(source, site.url("/docs/a.html"))
+    times = [request.time for request in site.requests]  # robots.txt, then three pages
+    assert len(times) == 4
+    assert all(later - earlier >= 0.25 for earlier, later in pairwise(times)), times
+    source.refresh_from_db()
+    assert source.next_request_at is not None
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_source_row_is_not_locked_while_a_request_waits_its_turn(site):
+    source = make_source(site, spacing=2.0)
+    http.wait_turn(source)  # the next slot is now 2 s away
+    waiter = threading.Thread(target=_wait_in_thread, args=(source,))
+    waiter.start()
+    time.sleep(0.3)  # the thread has reserved its slot and is sleeping
+    started = time.monotonic()
+    with transaction.atomic():
+        locked = Source.objects.select_for_update().get(pk=source.pk)
+        Source.objects.filter(pk=locked.pk).update(max_pages_per_run=5)
+    assert time.monotonic() - started < 0.5
+    waiter.join(5)
+    assert not waiter.is_alive()
+
+
+def _wait_in_thread(source: Source) -> None:
+    try:
+        http.wait_turn(source)
+    finally:
+        connection.close()
+
+
+@pytest.mark.process
+def test_spacing_holds_across_two_processes(site, worker_env, tmp_path):
+    spacing = 0.5
+    source = make_source(site, spacing=spacing)
+    # robots.txt already known, and the first slot a moment away so both processes queue.
+    Source.objects.filter(pk=source.pk).update(
+        robots_txt="User-agent: *\nDisallow:\n",
+        robots_fetched_at=timezone.now(),
+        next_request_at=timezone.now() + timedelta(seconds=2),
+    )
+    code = (
+        "from ingestion import http\nfrom ingestion.models import Source\n"
+        "source = Source.objects.get(name='fixture')\n"
+        "for _ in range(3):\n"
+        "    http.get(source, {url!r}, headers={{'X-Process': {name!r}}})\n"
+    )
+    with WorkerPool(worker_env, tmp_path / "logs") as pool:
+        procs = [
+            pool.spawn(name, "shell", "-c", code.format(url=site.url("/docs/a.html"), name=name))
+            for name in ("p1", "p2")
+        ]
+        for proc in procs:
+            assert proc.wait_exit(30) == 0, proc.describe()
+    requests = sorted(site.requests, key=lambda request: request.time)
+    assert sorted(request.headers["x-process"] for request in requests) == ["p1"] * 3 + ["p2"] * 3
+    gaps = [later.time - earlier.time for earlier, later in pairwise(requests)]
+    assert min(gaps) >= spacing - 0.1, gaps
+
+
+@pytest.mark.process
+def test_spacing_holds_across_two_workers_discovering_and_fetching(site, worker_env, tmp_path):
+    """Discovery on one worker enqueues fetches that both workers run: every request to
+    the source, from either worker, keeps the spacing (times recorded by the server)."""
+    spacing = 0.4
+    for n in range(2, 7):
+        site.add(f"/docs/{n}.html", f"Doc {n}", f"text {n}")
+    source = add_source("spaced", "sitemap", site.url("/sitemap.xml"), spacing=spacing)
+    job, _ = start_discovery(source)
+    with WorkerPool(worker_env, tmp_path / "logs") as pool:
+        pool.start("w1")
+        pool.start("w2")
+        fetches = Job.objects.filter(kind="ingestion.fetch_artifact")
+
+        def all_fetched() -> bool:
+            states = set(fetches.values_list("state", flat=True))
+            return fetches.count() == 6 and states == {State.SUCCEEDED}
+
+        wait_until(all_fetched, 30, interval=0.1, message=lambda: job_summary())
+    assert Job.objects.get(pk=job.pk).state == State.SUCCEEDED
+    fetchers = set(Lease.objects.filter(job__in=fetches).values_list("worker_id", flat=True))
+    assert fetchers == {"w1", "w2"}
+    requests = sorted(site.requests, key=lambda request: request.time)
+    assert len(requests) == 1 + 3 + 6  # robots.txt, the index and 2 sitemaps, 6 documents
+    gaps = [later.time - earlier.time for earlier, later in pairwise(requests)]
+    assert min(gaps) >= spacing - 0.1, gaps
