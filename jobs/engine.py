@@ -50,6 +50,7 @@ MAX_ATTEMPTS_LIMIT = 1_000_000
 MAX_DELAY = timedelta(days=365 * 100)
 UNIQUE_KEY_LENGTH = 255
 LOCK_NAME_LENGTH = 255
+KEYS_PER_QUERY = 1000  # keeps ``IN (…)`` well under SQLite's bound-parameter limit
 
 
 # --- enqueue ---------------------------------------------------------------------------
@@ -96,17 +97,24 @@ def enqueue_many(
     delay: float | timedelta | None = None,
     run_at: datetime | None = None,
     unique_key: str | None = None,
+    unique_keys: Sequence[str] | None = None,
     max_attempts: int | None = None,
     lease_seconds: float | None = None,
 ) -> list[Job]:
-    """Enqueue one job per args dict with the same options; returns the jobs in order."""
+    """Enqueue one job per args dict with the same options; returns the jobs in order.
+
+    ``unique_keys`` gives each job its own key (one per args dict): a key already held by a
+    queued or running job returns that job instead, all in a few statements whatever the
+    count, so bulk producers (discovery, refreshers) need no loop of single enqueues.
+    """
     spec = get_handler(kind)
     args_list = list(args_list)
     args_json = [_args_json(args) for args in args_list]
-    if unique_key is not None and not 0 < len(unique_key) <= UNIQUE_KEY_LENGTH:
-        raise InvalidJob(f"unique_key must be 1 to {UNIQUE_KEY_LENGTH} characters long")
+    if unique_key is not None and unique_keys is not None:
+        raise InvalidJob("give unique_key or unique_keys, not both")
     if unique_key is not None and len(args_list) > 1:
-        raise InvalidJob("unique_key names one job; it cannot be shared by enqueue_many")
+        raise InvalidJob("unique_key names one job; give enqueue_many unique_keys, one per job")
+    keys = _validated_keys([unique_key] if unique_key is not None else unique_keys, len(args_list))
     chosen = lane_config.resolve(kind, lane, spec.lane)
     if not args_list:
         return []
@@ -130,20 +138,23 @@ def enqueue_many(
         max_attempts=attempts_budget,
         lease_seconds=lease,
     )
+    if keys is None and spec.unique:
+        keys = [_args_key(kind, text) for text in args_json]
     with transaction.atomic():
-        if unique_key is not None or spec.unique:
-            created = [
-                _create_unique(
+        if keys is not None:
+            jobs, created = _create_unique_many(
+                [
                     _copy(
                         template,
                         args=args,
                         locks=locks[n] if locks else None,
-                        unique_key=unique_key or _args_key(kind, text),
-                    ),
-                    when,
-                )
-                for n, (args, text) in enumerate(zip(args_list, args_json, strict=True))
-            ]
+                        unique_key=keys[n],
+                        run_at=when,
+                    )
+                    for n, args in enumerate(args_list)
+                ],
+                keys,
+            )
         elif sql.is_postgres():
             created = _insert_many(template, args_list, args_json, locks, delay, run_at)
         else:
@@ -154,13 +165,16 @@ def enqueue_many(
                 ],
                 batch_size=2000,
             )
-        _notify(chosen.name)
+        if keys is None:
+            jobs = created
+        if created:
+            _notify(chosen.name)
     if len(created) > 100:  # one line per bulk call, not per job
         log.info("jobs_enqueued", kind=kind, lane=chosen.name, count=len(created))
     else:
         for job in created:
             log.info("job_enqueued", job_id=job.pk, kind=kind, lane=job.lane)
-    return created
+    return jobs
 
 
 def _copy(template: Job, **fields: Any) -> Job:
@@ -213,10 +227,55 @@ def _insert_many(
     return jobs
 
 
-def _create_unique(job: Job, when: Any) -> Job:
+def _validated_keys(keys: Sequence[str] | None, count: int) -> list[str] | None:
+    if keys is None:
+        return None
+    keys = list(keys)
+    if isinstance(keys, str) or len(keys) != count:
+        raise InvalidJob(f"unique_keys must hold one key per job: {len(keys)} for {count} jobs")
+    for key in keys:
+        if not isinstance(key, str) or not 0 < len(key) <= UNIQUE_KEY_LENGTH:
+            raise InvalidJob(f"a unique key must be 1 to {UNIQUE_KEY_LENGTH} characters long")
+    return keys
+
+
+def _create_unique_many(jobs: list[Job], keys: list[str]) -> tuple[list[Job], list[Job]]:
+    """Insert the jobs whose unique key (``keys[n]`` for ``jobs[n]``) no active job holds;
+    return each key's job, in order, and the jobs that are new.
+
+    One read of the keys already taken, one bulk insert that skips keys taken meanwhile
+    (``ON CONFLICT DO NOTHING`` on the partial unique index; SQLite ``INSERT OR IGNORE``)
+    and one read of the keys' active jobs. A key whose holder finished between those
+    statements is inserted on its own.
+    """
+    taken = set(_active_by_key(keys))
+    fresh: dict[str, Job] = {}
+    for key, job in zip(keys, jobs, strict=True):
+        if key not in taken:
+            fresh.setdefault(key, job)
+    Job.objects.bulk_create(list(fresh.values()), batch_size=2000, ignore_conflicts=True)
+    active = _active_by_key(keys)
+    for key, job in zip(keys, jobs, strict=True):
+        if key not in active:  # its holder finished between our reads
+            active[key] = _create_unique(job)
+    for key in sorted(taken):
+        log.info("job_deduplicated", job_id=active[key].pk, unique_key=key)
+    return [active[key] for key in keys], [active[key] for key in fresh]
+
+
+def _active_by_key(keys: Sequence[str]) -> dict[str, Job]:
+    """The queued or running job holding each of ``keys`` (read in bounded chunks)."""
+    found: dict[str, Job] = {}
+    distinct = sorted(set(keys))
+    for start in range(0, len(distinct), KEYS_PER_QUERY):
+        chunk = distinct[start : start + KEYS_PER_QUERY]
+        for job in Job.objects.filter(unique_key__in=chunk, state__in=ACTIVE_STATES):
+            found[job.unique_key] = job  # type: ignore[index]
+    return found
+
+
+def _create_unique(job: Job) -> Job:
     """Insert ``job`` unless an active job holds its unique key; then return that one."""
-    if when is not None:
-        job.run_at = when
     try:
         with transaction.atomic():
             job.save(force_insert=True)

@@ -97,3 +97,35 @@ def test_lanes_route_refuse_and_bound():
     assert enqueue("test.noop") is not None
     assert enqueue("test.noop") is None  # dropped, not raised
     assert Job.objects.filter(lane="bulk").count() == 1
+
+
+def test_enqueue_many_with_unique_keys_dedupes_each_job_in_bulk(django_assert_max_num_queries):
+    held = enqueue("test.echo", {"n": 1}, unique_key="k1")
+    finished = enqueue("test.echo", {"n": 2}, unique_key="k2")
+    Job.objects.filter(pk=finished.pk).update(state=State.SUCCEEDED)  # frees its key
+    keys = ["k1", "k2", "k3", "k3"] + [f"bulk:{i}" for i in range(500)]
+    with django_assert_max_num_queries(12):  # bounded, whatever the count
+        jobs = enqueue_many("test.echo", [{"n": i} for i in range(len(keys))], unique_keys=keys)
+    assert jobs[0].pk == held.pk  # an active holder is returned
+    assert jobs[1].pk != finished.pk and jobs[1].args == {"n": 1}  # a finished one is not
+    assert jobs[2].pk == jobs[3].pk  # one key, one job, even within the call
+    assert [job.unique_key for job in jobs] == keys
+    assert Job.objects.filter(state=State.QUEUED).count() == 1 + 2 + 500
+    again = enqueue_many("test.echo", [{}, {}], unique_keys=["bulk:7", "bulk:8"])
+    assert [job.pk for job in again] == [jobs[11].pk, jobs[12].pk]
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"unique_keys": ["only-one"]}, "one key per job"),
+        ({"unique_keys": ["a", ""]}, "1 to 255"),
+        ({"unique_keys": ["a", "b" * 256]}, "1 to 255"),
+        ({"unique_keys": ["a", "b"], "unique_key": "c"}, "not both"),
+        ({"unique_key": "c"}, "one job"),
+    ],
+)
+def test_bad_unique_keys_are_refused(options, message):
+    with pytest.raises(InvalidJob, match=message):
+        enqueue_many("test.echo", [{}, {}], **options)
+    assert not Job.objects.exists()
