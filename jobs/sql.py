@@ -319,7 +319,11 @@ def settle_and_claim(
             # winner's lock is visible now, so that candidate is skipped.
             if not claim or connection.in_atomic_block:
                 raise
-    raise IntegrityError(f"claim lost {MAX_LOCK_RACES} resource-lock races in a row")
+    # Still losing (a storm of claimers on few resources): settle alone, claim next time.
+    # The lost races are the next claim's, never a reason to fail the settled job.
+    if settle:
+        return _settle_and_claim_limited(params, settle, None, lanes, limits)
+    return False, None
 
 
 def _settle_and_claim_limited(

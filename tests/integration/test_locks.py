@@ -4,9 +4,9 @@ import threading
 
 import psycopg
 import pytest
-from django.db import connection
+from django.db import IntegrityError, connection
 
-from jobs import InvalidJob, engine
+from jobs import InvalidJob, engine, sql
 from jobs.context import JobContext
 from jobs.models import Job, JobLock, State
 
@@ -191,3 +191,24 @@ def test_a_claim_that_loses_a_lock_race_rolls_back_and_claims_again():
     assert not contender_row.leases.exists()
     assert not contender_row.events.exists()
     assert held() == {"item:1": holder.pk, "item:9": unrelated.pk}
+
+
+@pytest.mark.django_db(transaction=True)
+def test_endless_lost_lock_races_never_fail_the_job_being_settled(monkeypatch):
+    """The races belong to the next claim: the finished job still settles, nothing is
+    claimed this time, and a plain claim gives up quietly instead of raising."""
+    job = engine.enqueue("test.echo")
+    engine.enqueue("test.echo")
+    claimed = claim_one()
+    real = sql._settle_and_claim_limited
+
+    def always_racing(params, settle, worker_id, lanes, limits):
+        if worker_id is not None:
+            raise IntegrityError("duplicate key value violates unique constraint")
+        return real(params, settle, worker_id, lanes, limits)
+
+    monkeypatch.setattr(sql, "_settle_and_claim_limited", always_racing)
+    assert engine.settle_and_claim(claimed, engine.succeeded(), "w1", None) is None
+    assert Job.objects.get(pk=job.pk).state == State.SUCCEEDED
+    assert engine.claim("w1") is None
+    assert Job.objects.filter(state=State.QUEUED).count() == 1
