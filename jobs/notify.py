@@ -23,6 +23,9 @@ from .log import get_logger
 
 log = get_logger("jobs.notify")
 
+RECONNECT_MIN = 1.0  # seconds before retrying a LISTEN connection that failed
+RECONNECT_MAX = 30.0
+
 
 class PollWaker:
     """Sleeps until the timeout or an explicit ``wake()`` (e.g. on shutdown)."""
@@ -48,10 +51,19 @@ class Listener:
         self._settings = settings_dict
         self._channel = channel
         self._conn: psycopg.Connection | None = None
+        self._retry_at = 0.0  # monotonic: no reconnect attempt before this
+        self._backoff = RECONNECT_MIN
 
     def _connect(self) -> psycopg.Connection | None:
+        """The LISTEN connection, or None while the database is unreachable.
+
+        Reconnects back off (up to ``RECONNECT_MAX``), so a thread that also has other
+        duties (the lease keeper) is not held up by connect timeouts during an outage.
+        """
         if self._conn is not None and not self._conn.closed:
             return self._conn
+        if time.monotonic() < self._retry_at:
+            return None
         params = {
             "dbname": self._settings["NAME"],
             "user": self._settings.get("USER") or None,
@@ -67,9 +79,16 @@ class Listener:
             )
             conn.execute(f"LISTEN {self._channel}")
         except psycopg.Error as exc:
-            log.warning("listen_unavailable", channel=self._channel, error=str(exc).strip())
+            log.warning(
+                "listen_unavailable",
+                channel=self._channel,
+                error=str(exc).strip(),
+                retry_in=self._backoff,
+            )
+            self._retry_at = time.monotonic() + self._backoff
+            self._backoff = min(self._backoff * 2, RECONNECT_MAX)
             return None
-        self._conn = conn
+        self._conn, self._backoff = conn, RECONNECT_MIN
         return conn
 
     def _drop(self) -> None:
