@@ -35,12 +35,13 @@ SEED_COLUMNS = (
     "lease_token",
     "cancel_requested",
     "last_error",
+    "locks",
 )
 
 
 def seed_row(i: int) -> tuple[Any, ...]:
     """One queued no-op job, as ``enqueue_many("bench.noop", [{"i": i}])`` would write it."""
-    return (KIND, "default", json.dumps({"i": i}), 0, "queued", 0, 1, 60.0, 0, False, "")
+    return (KIND, "default", json.dumps({"i": i}), 0, "queued", 0, 1, 60.0, 0, False, "", "[]")
 
 
 @dataclass(frozen=True)
@@ -96,13 +97,15 @@ def insert_single(target: Target, n: int) -> float:
     try:
         start = time.perf_counter()
         if target.vendor == "postgres":
-            sql = f"INSERT INTO jobs_job ({columns}) VALUES ({', '.join(['%s'] * 11)})"
+            marks = ", ".join(["%s"] * len(SEED_COLUMNS))
+            sql = f"INSERT INTO jobs_job ({columns}) VALUES ({marks})"
             with conn.cursor() as cursor:
                 for i in range(n):
                     cursor.execute(sql, seed_row(i))
                     conn.commit()
         else:
-            sql = f"INSERT INTO jobs_job ({columns}) VALUES ({', '.join('?' * 11)})"
+            marks = ", ".join("?" * len(SEED_COLUMNS))
+            sql = f"INSERT INTO jobs_job ({columns}) VALUES ({marks})"
             for i in range(n):
                 conn.execute("BEGIN IMMEDIATE")
                 conn.execute(sql, seed_row(i))
