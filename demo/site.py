@@ -18,7 +18,8 @@ and ``/sitemaps/N.xml``, ``/feed.xml?page=N`` (Atom), ``/rss.xml?page=N`` (RSS),
 ``/redirect/N`` (N hops, then 200), ``/private/page.html`` (disallowed by the default
 robots.txt), ``redirects`` (path to path, ahead of every other route), and ``hold(path)``
 to stall one path until released. Listings hold the documents, then ``extra_urls`` (e.g.
-``/status/404``).
+``/status/404``). With ``feed_loops`` the last feed page's ``next`` link leads back to
+page 1, like a broken feed whose paging goes round in a circle.
 
 Run it alone for the demo: ``.venv/bin/python -m demo.site --port 8008``.
 """
@@ -114,6 +115,7 @@ class FixtureSite:
         self.huge_bytes = huge_bytes
         self.documents: dict[str, Document] = {}
         self.extra_urls: list[str] = []
+        self.feed_loops = False
         self.redirects: dict[str, str] = {}
         self.requests: list[RecordedRequest] = []
         self.port = port
@@ -301,6 +303,8 @@ class FixtureSite:
         rels = {"self": number, "first": 1, "last": last}
         if number < last:
             rels["next"] = number + 1
+        elif self.feed_loops and last > 1:
+            rels["next"] = 1
         if number > 1:
             rels["previous"] = number - 1
         return "".join(

@@ -32,7 +32,7 @@ from django.db import transaction
 from django.db.models import CharField, Exists, OuterRef, QuerySet, Value
 from django.db.models.functions import Cast, Concat, Now
 
-from jobs import PermanentError, enqueue
+from jobs import PermanentError, enqueue, enqueue_many
 from jobs.context import JobContext
 from jobs.engine import db_now
 from jobs.exceptions import HoldfastError, InvalidJob
@@ -58,6 +58,7 @@ log = get_logger("ingestion.artifacts")
 
 FETCH_KIND = "ingestion.fetch_artifact"
 REFRESH_BATCH = 100
+REFRESH_RETRY = timedelta(days=1)  # when a refresh the refresher enqueued is due again
 GONE_STATUSES = frozenset({404, 410})
 RETRY_STATUSES = frozenset({408, 429})  # 4xx that say "later", not "never"
 IDS_PER_QUERY = 1000  # keeps ``pk IN (…)`` under SQLite's bound-parameter limit
@@ -325,16 +326,22 @@ def without_active_fetch(artifacts: QuerySet[Artifact]) -> QuerySet[Artifact]:
 def enqueue_fetches(artifacts: QuerySet[Artifact], limit: int | None = None) -> list[int]:
     """Enqueue a fetch for each artifact (at most ``limit``) not already being fetched.
 
-    Returns the ids of the artifacts that got a new job. The unique key ``fetch:<id>``
-    keeps this true under races with another enqueuer: the loser gets the existing job.
+    Returns the ids of the artifacts that got a job (none when the lane dropped them).
     """
     ids = list(without_active_fetch(artifacts).values_list("pk", flat=True)[:limit])
-    enqueued = []
-    with transaction.atomic():
-        for pk in ids:
-            if enqueue(FETCH_KIND, {"artifact_id": pk}, unique_key=fetch_key(pk)) is not None:
-                enqueued.append(pk)
-    return enqueued
+    return ids if fetch_jobs(ids) else []
+
+
+def fetch_jobs(ids: list[int]) -> list[Job]:
+    """A fetch job for each artifact id, in order, enqueued in one bulk ``enqueue_many``.
+
+    Discovery enqueues inside each page's transaction, which on SQLite holds the only
+    write lock: one enqueue per item would hold it for seconds on a page of thousands.
+    The unique key ``fetch:<id>`` keeps one fetch per artifact: an artifact already being
+    fetched (or enqueued meanwhile by a racing enqueuer) keeps its existing job.
+    """
+    args = [{"artifact_id": pk} for pk in ids]
+    return enqueue_many(FETCH_KIND, args, unique_keys=[fetch_key(pk) for pk in ids])
 
 
 @refresher("artifacts", batch=REFRESH_BATCH)
@@ -342,13 +349,29 @@ def refresh_due(limit: int) -> int:
     """Enqueue refreshes for at most ``limit`` fetched artifacts past ``refresh_after``.
 
     Those already queued are skipped, so each call takes the next batch of the backlog.
+    Each one enqueued is also due again only ``REFRESH_RETRY`` from now, in the same
+    transaction: a good fetch then sets the real date, and a fetch that dies in a way
+    nobody foresaw (leaving the artifact ``fetched``) cannot put the same artifacts at
+    the head of every later batch and starve the rest.
     """
-    return len(enqueue_fetches(stale().order_by("refresh_after", "pk"), limit))
+    with transaction.atomic():
+        ids = enqueue_fetches(stale().order_by("refresh_after", "pk"), limit)
+        retry = db_now() + REFRESH_RETRY
+        for start in range(0, len(ids), IDS_PER_QUERY):
+            chunk = ids[start : start + IDS_PER_QUERY]
+            Artifact.objects.filter(pk__in=chunk).update(refresh_after=retry)
+    return len(ids)
 
 
 def stale() -> QuerySet[Artifact]:
-    """Fetched artifacts whose ``refresh_after`` has passed (database clock)."""
-    return Artifact.objects.filter(state=ArtifactState.FETCHED, refresh_after__lte=Now())
+    """Fetched artifacts past their ``refresh_after`` (database clock), of enabled sources.
+
+    A disabled source's artifacts wait: their fetches would only be skipped, and as the
+    oldest due they would fill every batch, so no other source's would be refreshed.
+    """
+    return Artifact.objects.filter(
+        state=ArtifactState.FETCHED, refresh_after__lte=Now(), source__enabled=True
+    )
 
 
 # --- discovery hooks -------------------------------------------------------------------
@@ -361,9 +384,7 @@ def fetch_discovered(source: Source, new_ids: list[int], changed_ids: list[int])
     A changed ``lastmod`` also clears ``content_changed_unannounced``: the source now
     announces what it changed.
     """
-    ids = [*new_ids, *changed_ids]
-    for start in range(0, len(ids), IDS_PER_QUERY):
-        enqueue_fetches(Artifact.objects.filter(pk__in=ids[start : start + IDS_PER_QUERY]))
+    fetch_jobs([*new_ids, *changed_ids])
     for start in range(0, len(changed_ids), IDS_PER_QUERY):
         urls = Artifact.objects.filter(pk__in=changed_ids[start : start + IDS_PER_QUERY])
         resolve_cleared(

@@ -1,11 +1,13 @@
 """Discovery: reading a source's listings (sitemaps, feeds) into artifacts, in bounded jobs.
 
 A discovery *run* walks a cursor of listing pages: it starts at the source's URL; a
-sitemap index adds its child sitemaps, a feed page adds its RFC 5005 ``next`` page. Each
-job reads at most ``max_pages_per_run`` pages. Every page commits in one fenced
-transaction (``ctx.atomic()``): the artifacts it lists (upserted on source and URL), the
-run's cursor without that page, and, on a job's last page, either the continuation job
-(unique key per run and job) or the run's completion. A crash therefore repeats at most
+sitemap index adds its child sitemaps, a feed page adds its RFC 5005 ``next`` page. The
+run keeps the pages it has read (``visited``) and never reads one twice, so feeds or
+sitemap indexes that point back at each other end instead of looping. Each job reads at
+most ``max_pages_per_run`` pages. Every page commits in one fenced transaction
+(``ctx.atomic()``): the artifacts it lists (upserted on source and URL), the run's cursor
+without that page, and, on a job's last page, either the continuation job (unique key
+per run and job) or the run's completion. A crash therefore repeats at most
 the one page in flight, and repeating it changes nothing.
 
 What happens to discovered items is not decided here: the artifact side registers
@@ -17,7 +19,8 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, NoReturn
 from urllib.parse import urldefrag, urljoin, urlsplit
@@ -46,6 +49,8 @@ MAX_RUN_PAGES = 10_000  # a run reading more listing pages than this is stuck in
 BATCH = 500  # rows per query when upserting a page's items
 LASTMOD_LENGTH = 64
 URL_LENGTH = 2000
+MALFORMED_LOGGED = 10  # a page's malformed URLs named in its log event; all are counted
+SCHEDULED_KEY_PREFIX = "schedule:"  # the unique keys of the jobs jobs.scheduler enqueues
 
 # --- hooks -------------------------------------------------------------------------------
 
@@ -76,6 +81,7 @@ class Item:
 class Listing:
     items: list[Item]
     pages: list[str]  # further listing pages it points to (child sitemaps, next feed page)
+    malformed: list[str] = field(default_factory=list)  # URLs that do not parse; skipped
 
 
 def parse_listing(body: bytes, url: str) -> Listing:
@@ -93,11 +99,13 @@ def parse_listing(body: bytes, url: str) -> Listing:
     except ParseError as exc:
         raise ListingError(f"{url}: not well-formed XML ({exc})") from None
     tag = _local(root.tag)
+    malformed: list[str] = []
     if tag == "sitemapindex":
-        return Listing([], [loc for loc, _ in _sitemap_entries(root, "sitemap", url)])
+        pages = [loc for loc, _ in _sitemap_entries(root, "sitemap", url, malformed)]
+        return Listing([], pages, malformed)
     if tag == "urlset":
-        items = [Item(loc, lastmod) for loc, lastmod in _sitemap_entries(root, "url", url)]
-        return Listing(items, [])
+        entries = _sitemap_entries(root, "url", url, malformed)
+        return Listing([Item(loc, lastmod) for loc, lastmod in entries], [], malformed)
     if tag in ("feed", "rss", "RDF"):
         return _feed(body, url)
     raise ListingError(f"{url}: <{tag}> is neither a sitemap nor an RSS/Atom feed")
@@ -127,39 +135,50 @@ def _child_text(element: Element, name: str) -> str:
     return ""
 
 
-def _sitemap_entries(root: Element, name: str, base: str) -> Iterator[tuple[str, str]]:
+def _sitemap_entries(
+    root: Element, name: str, base: str, malformed: list[str]
+) -> Iterator[tuple[str, str]]:
     for element in root:
         if _local(element.tag) != name:
             continue
-        loc = _absolute(base, _child_text(element, "loc"))
+        loc = _absolute(base, _child_text(element, "loc"), malformed)
         if loc:
             yield loc, _child_text(element, "lastmod")[:LASTMOD_LENGTH]
 
 
 def _feed(body: bytes, url: str) -> Listing:
     parsed = feedparser.parse(body, response_headers={"content-location": url})
+    malformed: list[str] = []
     items = []
     for entry in parsed.entries:
-        link = _absolute(url, entry.get("link", ""))
+        link = _absolute(url, entry.get("link", ""), malformed)
         if not link:
             continue
         # feedparser maps a missing ``updated`` to ``published`` with a warning: ask first.
         lastmod = entry["updated"] if "updated" in entry else entry.get("published", "")
         items.append(Item(link, (lastmod or "")[:LASTMOD_LENGTH], entry.get("title", "")))
     pages = [
-        _absolute(url, link.get("href", ""))
+        _absolute(url, link.get("href", ""), malformed)
         for link in parsed.feed.get("links", [])
         if link.get("rel") == "next"
     ]
-    return Listing(items, [page for page in pages if page])
+    return Listing(items, [page for page in pages if page], malformed)
 
 
-def _absolute(base: str, url: str) -> str:
-    """An absolute http(s) URL without fragment, or "" for anything else."""
+def _absolute(base: str, url: str, malformed: list[str]) -> str:
+    """An absolute http(s) URL without fragment, or "" for anything else.
+
+    A URL that does not even parse (``http://[::1/x``: urllib raises ``ValueError``) is
+    added to ``malformed`` and skipped: one bad entry must not stop the page, or the run.
+    """
     if not url:
         return ""
-    absolute = urldefrag(urljoin(base, url.strip())).url
-    parts = urlsplit(absolute)
+    try:
+        absolute = urldefrag(urljoin(base, url.strip())).url
+        parts = urlsplit(absolute)
+    except ValueError:
+        malformed.append(url.strip()[:URL_LENGTH])
+        return ""
     if parts.scheme not in ("http", "https") or not parts.hostname or len(absolute) > URL_LENGTH:
         return ""
     return absolute
@@ -180,16 +199,19 @@ def start_discovery(source: Source) -> tuple[Job | None, str]:
 
     Returns the job (None when nothing was enqueued) and a sentence saying what happened.
     A run left ``running`` by a job that died or was cancelled is resumed, not restarted.
+
+    Two starts of one source queue up on the source's row (SQLite's write lock does the
+    same), so the second sees the job the first enqueued and says so. Without that, both
+    would find nothing queued, and the loser's enqueue would hand back the winner's job
+    (unique key ``discover:<name>``) for it to report as newly enqueued.
     """
     if not source.enabled:
         raise StateConflict(f"source {source.name!r} is disabled")
     with transaction.atomic():
+        Source.objects.select_for_update().filter(pk=source.pk).exists()
         busy = active_jobs(source.name).first()
         if busy is not None:
-            return None, (
-                f"discovery of {source.name!r} is already {busy.state} (job {busy.pk}); "
-                "nothing enqueued"
-            )
+            return None, _already(source, busy)
         job = engine.enqueue(
             DISCOVER_KIND, {"source": source.name}, unique_key=f"discover:{source.name}"
         )
@@ -199,6 +221,10 @@ def start_discovery(source: Source) -> tuple[Job | None, str]:
     if run is not None:
         return job, f"job {job.pk} resumes interrupted discovery run {run.pk} of {source.name!r}"
     return job, f"job {job.pk} discovers {source.name!r}"
+
+
+def _already(source: Source, busy: Job) -> str:
+    return f"discovery of {source.name!r} is already {busy.state} (job {busy.pk}); nothing enqueued"
 
 
 # --- the bounded run ---------------------------------------------------------------------
@@ -221,19 +247,12 @@ def discover(ctx: JobContext, source_name: str, run_id: int | None) -> dict[str,
     if isinstance(run, str):
         log.info("discovery_skipped", source=source_name, reason=run)
         return {"skipped": run}
-    result: dict[str, Any] = {"run": run.pk, "pages": 0, "new": 0, "changed": 0}
+    result: dict[str, Any] = {"run": run.pk, "pages": 0, "new": 0, "changed": 0, "malformed": 0}
     while True:
         cursor = list(run.cursor)
-        listing = _read(ctx, source, run, cursor[0])
-        remaining = _next_cursor(cursor, listing.pages)
-        if run.pages + 1 + len(remaining) > MAX_RUN_PAGES:
-            _fail(ctx, source, run, f"the run grew past {MAX_RUN_PAGES} listing pages")
-        result["pages"] += 1
-        last = not remaining or result["pages"] >= source.max_pages_per_run
         try:
-            # On a job's last page the result commits with the job; it is filled in below.
-            with ctx.atomic(complete=last, result=result):
-                run = _commit_page(source, run.pk, cursor, remaining, listing.items, result)
+            with _last_attempt_fails_run(ctx, source, run, cursor[0]):
+                run, last = _read_page(ctx, source, run, cursor, result)
         except _Superseded:
             log.warning("discovery_superseded", source=source.name, run_id=run.pk)
             return {**result, "superseded": True}
@@ -241,6 +260,45 @@ def discover(ctx: JobContext, source_name: str, run_id: int | None) -> dict[str,
             return result
         if ctx.cancel_requested:
             raise ctx.Cancelled()
+
+
+def _read_page(
+    ctx: JobContext, source: Source, run: DiscoveryRun, cursor: list[str], result: dict[str, Any]
+) -> tuple[DiscoveryRun, bool]:
+    """Read the cursor's first page and commit what it lists; True when the job is done."""
+    listing = _read(ctx, source, run, cursor[0])
+    remaining = _next_cursor(cursor, listing.pages, run.visited)
+    if run.pages + 1 + len(remaining) > MAX_RUN_PAGES:
+        _fail(ctx, source, run, f"the run grew past {MAX_RUN_PAGES} listing pages")
+    result["pages"] += 1
+    last = not remaining or result["pages"] >= source.max_pages_per_run
+    # On a job's last page the result commits with the job; it is filled in below.
+    with ctx.atomic(complete=last, result=result):
+        run = _commit_page(source, run.pk, cursor, remaining, listing, result)
+    return run, last
+
+
+@contextmanager
+def _last_attempt_fails_run(
+    ctx: JobContext, source: Source, run: DiscoveryRun, page: str
+) -> Iterator[None]:
+    """On the job's last attempt, an unexpected error on ``page`` fails the run.
+
+    Expected outcomes are decided where they happen: a transient fetch error leaves the
+    run to be resumed, an unreadable listing fails it at once. Anything else (a bug, a row
+    the database refuses) would kill the job and leave the run ``running`` with ``page``
+    at the head of its cursor, so that every later job would read it, die the same way,
+    and no discovery of the source would ever complete again.
+    """
+    try:
+        yield
+    except (HoldfastError, _Superseded):
+        raise
+    except Exception as exc:
+        if ctx.attempt >= ctx.max_attempts:
+            reason = f"{type(exc).__name__}: {exc}"
+            _fail(ctx, source, run, f"listing page {page} failed {ctx.attempt} times: {reason}")
+        raise
 
 
 def _run_for(ctx: JobContext, source: Source, run_id: int | None) -> DiscoveryRun | str:
@@ -251,19 +309,43 @@ def _run_for(ctx: JobContext, source: Source, run_id: int | None) -> DiscoveryRu
             return f"run {run_id} is not running"
         return run
     running = source.runs.filter(state=RunState.RUNNING).first()
+    other = active_jobs(source.name).exclude(pk=ctx.job_id).first()
+    if running is not None and other is not None:
+        return f"run {running.pk} is in progress (job {other.pk})"
+    redundant = _redundant_slot(ctx, source, other)
+    if redundant:
+        return redundant
     if running is None:
         with ctx.atomic():
             run = DiscoveryRun.objects.create(source=source, cursor=[source.url], jobs=1)
         log.info("discovery_run_started", source=source.name, run_id=run.pk, job_id=ctx.job_id)
         return run
-    other = active_jobs(source.name).exclude(pk=ctx.job_id).first()
-    if other is not None:
-        return f"run {running.pk} is in progress (job {other.pk})"
     # The run's last job died or was cancelled: carry on from its committed cursor.
     with ctx.atomic():
         DiscoveryRun.objects.filter(pk=running.pk).update(jobs=F("jobs") + 1)
     log.info("discovery_run_resumed", source=source.name, run_id=running.pk, job_id=ctx.job_id)
     return running
+
+
+def _redundant_slot(ctx: JobContext, source: Source, other: Job | None) -> str:
+    """Why this job, if a schedule enqueued it, would only repeat another discovery.
+
+    A manual discovery (``discover:<name>``) and a schedule's slot can both be queued; the
+    source lock runs them one after the other, and the second would read the whole source
+    again. The scheduled one gives way: to a discovery job queued or running, and to a
+    run completed since the slot was enqueued. Returns "" when the job should go ahead.
+    """
+    job = Job.objects.only("unique_key", "created_at").get(pk=ctx.job_id)
+    if not (job.unique_key or "").startswith(SCHEDULED_KEY_PREFIX):
+        return ""
+    if other is not None:
+        return f"discovery job {other.pk} is already {other.state}"
+    done = (
+        source.runs.filter(state=RunState.COMPLETED, finished_at__gte=job.created_at)
+        .order_by("-pk")
+        .first()
+    )
+    return f"run {done.pk} completed after this job was enqueued" if done else ""
 
 
 def _read(ctx: JobContext, source: Source, run: DiscoveryRun, page: str) -> Listing:
@@ -294,12 +376,17 @@ def _fail(ctx: JobContext, source: Source, run: DiscoveryRun, error: str) -> NoR
     raise PermanentError(error)
 
 
-def _next_cursor(cursor: list[str], found: Iterable[str]) -> list[str]:
-    """The cursor once its first page is read: the rest, then the pages that one named."""
+def _next_cursor(cursor: list[str], found: Iterable[str], visited: Iterable[str]) -> list[str]:
+    """The cursor once its first page is read: the rest, then the pages that one named.
+
+    A page already read in this run (``visited``) or already pending is not added again.
+    """
     remaining = cursor[1:]
+    known = {*visited, *cursor}
     for page in found:
-        if page != cursor[0] and page not in remaining:
+        if page not in known:
             remaining.append(page)
+            known.add(page)
     return remaining
 
 
@@ -308,7 +395,7 @@ def _commit_page(
     run_id: int,
     cursor: list[str],
     remaining: list[str],
-    items: list[Item],
+    listing: Listing,
     result: dict[str, Any],
 ) -> DiscoveryRun:
     """Inside the page's ``ctx.atomic()``: items, cursor, and continuation or completion."""
@@ -316,28 +403,40 @@ def _commit_page(
     if run.state != RunState.RUNNING or run.cursor != cursor:
         raise _Superseded
     now = engine.db_now()
-    new, changed = _upsert(source, run, items, now)
+    new, changed = _upsert(source, run, listing.items, now)
     run.cursor = remaining
+    run.visited = [*run.visited, cursor[0]]
     run.pages += 1
     run.items = Artifact.objects.filter(last_seen_run=run).count()
     result["new"] += len(new)
     result["changed"] += len(changed)
+    result["malformed"] += len(listing.malformed)
     last = result["pages"] >= source.max_pages_per_run
     if not remaining:
         run.state, run.finished_at = RunState.COMPLETED, now
     elif last:
         run.jobs += 1
-    run.save(update_fields=["cursor", "pages", "items", "state", "finished_at", "jobs"])
+    fields = ["cursor", "visited", "pages", "items", "state", "finished_at", "jobs"]
+    run.save(update_fields=fields)
     log.info(
         "discovery_page_read",
         source=source.name,
         run_id=run.pk,
         page=cursor[0],
-        items=len(items),
+        items=len(listing.items),
         new=len(new),
         changed=len(changed),
         pending=len(remaining),
     )
+    if listing.malformed:
+        log.warning(
+            "discovery_urls_malformed",
+            source=source.name,
+            run_id=run.pk,
+            page=cursor[0],
+            count=len(listing.malformed),
+            urls=listing.malformed[:MALFORMED_LOGGED],
+        )
     if new or changed:
         for hook in items_discovered:
             hook(source, new, changed)

@@ -5,8 +5,11 @@ process: before each request the source's row is locked for a moment, the reques
 the slot ``max(now, next_request_at)`` (database clock) and moves ``next_request_at``
 ``spacing_seconds`` past it; the row is unlocked before the wait, so a sleeping request
 never blocks anyone. robots.txt is fetched through the same path, kept on the source row
-for a day, and checked before every hop, redirects included (they are followed by hand,
-at most :data:`MAX_REDIRECTS`). Bodies are streamed and abandoned past a byte cap.
+for a day, parsed by RFC 9309 (longest match wins; ``*`` and ``$`` in paths) and checked
+before every hop, redirects included (they are followed by hand, at most
+:data:`MAX_REDIRECTS`). Every hop's host must resolve to public addresses, or to the
+source's own host's addresses, so a listing cannot point workers at internal services.
+Bodies are streamed and abandoned past a byte cap.
 
 ``get`` returns every HTTP status as a :class:`Response` (callers decide what a 304, 404
 or 503 means for them) and raises :class:`FetchError` only when no usable answer came:
@@ -17,25 +20,29 @@ Call it outside any transaction: the spacing reservation must commit before the 
 
 from __future__ import annotations
 
+import ipaddress
+import math
+import socket
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from functools import lru_cache
 from urllib.parse import urldefrag, urljoin, urlsplit
-from urllib.robotparser import RobotFileParser
 
 import httpx
 from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
+from protego import Protego
 
 from jobs import engine
 from jobs.exceptions import HoldfastError
 from jobs.log import get_logger
 
 from .models import Source
+from .sources import MAX_SPACING_SECONDS
 
 log = get_logger("ingestion.http")
 
@@ -44,6 +51,8 @@ REDIRECT_STATUSES = frozenset({301, 302, 303, 307, 308})
 ROBOTS_MAX_AGE = timedelta(days=1)
 ROBOTS_MAX_BYTES = 512 * 1024  # RFC 9309 asks crawlers to read at least 500 KiB
 CHUNK_BYTES = 64 * 1024
+
+IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 
 
 @dataclass(frozen=True)
@@ -90,6 +99,16 @@ class TooManyRedirects(FetchError):
     transient = False
 
 
+class ForbiddenAddress(FetchError):
+    """The host resolves to an internal address that is not one of the source's own host.
+
+    A third-party listing (or a redirect) must not make workers fetch cloud metadata,
+    localhost or the private network and turn the answers into searchable documents.
+    """
+
+    transient = False
+
+
 def get(
     source: Source,
     url: str,
@@ -103,6 +122,7 @@ def get(
     current = _checked_url(url)
     with _client() as client:
         for _hop in range(MAX_REDIRECTS + 1):
+            check_address(source, current)
             _check_robots(client, source, current)
             answer = _exchange(client, source, current, headers, cap)
             elapsed += answer.elapsed
@@ -121,7 +141,26 @@ def _client() -> httpx.Client:
         timeout=httpx.Timeout(float(settings.HOLDFAST_FETCH_TIMEOUT_SECONDS)),
         headers={"User-Agent": settings.HOLDFAST_USER_AGENT},
         follow_redirects=False,
+        event_hooks={"response": [_check_location]},
     )
+
+
+def _check_location(response: httpx.Response) -> None:
+    """Refuse a redirect whose Location httpx cannot parse, before httpx tries to.
+
+    httpx parses the Location of every redirect, even one it will not follow, and reports
+    a bad one as a transport error (transient); it is the server's mistake, for good.
+    """
+    location = response.headers.get("location")
+    if response.status_code not in REDIRECT_STATUSES or not location:
+        return
+    try:
+        response.url.join(location)
+    except httpx.InvalidURL as exc:
+        raise FetchError(
+            f"GET {response.url}: malformed redirect Location {location!r}: {exc}",
+            transient=False,
+        ) from None
 
 
 def _exchange(
@@ -130,14 +169,22 @@ def _exchange(
     url: str,
     headers: Mapping[str, str] | None,
     cap: int,
+    *,
+    truncate: bool = False,
 ) -> Response:
-    """One request in the source's turn; the body is read only while under ``cap``."""
+    """One request in the source's turn; the body is read only while under ``cap``.
+
+    Past ``cap`` the transfer is abandoned: with ``truncate`` the first ``cap`` bytes are
+    the body, otherwise :class:`TooLarge` is raised.
+    """
     wait_turn(source)
     started = time.monotonic()
     try:
         with client.stream("GET", url, headers=dict(headers or {})) as response:
             if response.status_code in REDIRECT_STATUSES and "location" in response.headers:
                 body = b""  # a redirect's body is never needed
+            elif truncate:
+                body = _read_truncated(response, cap)
             else:
                 body = _read_capped(response, url, cap)
     except httpx.UnsupportedProtocol as exc:
@@ -170,8 +217,22 @@ def _read_capped(response: httpx.Response, url: str, cap: int) -> bytes:
     return bytes(body)
 
 
+def _read_truncated(response: httpx.Response, cap: int) -> bytes:
+    body = bytearray()
+    for chunk in response.iter_bytes(CHUNK_BYTES):
+        body += chunk
+        if len(body) >= cap:
+            break  # the rest is never read: leaving the stream closes the connection
+    return bytes(body[:cap])
+
+
 def _checked_url(url: str) -> str:
-    parts = urlsplit(url)
+    """``url`` without its fragment, if it is a well-formed http(s) URL with a host."""
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 -- raises ValueError for a port that is not 0-65535
+    except ValueError as exc:  # e.g. "Invalid IPv6 URL" for http://[::1/x
+        raise FetchError(f"GET {url}: malformed URL: {exc}", transient=False) from None
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise FetchError(f"GET {url}: not an http(s) URL", transient=False)
     return urldefrag(url).url
@@ -181,7 +242,13 @@ def _redirect_target(answer: Response) -> str | None:
     location = answer.headers.get("location")
     if answer.status not in REDIRECT_STATUSES or not location:
         return None
-    target = urljoin(answer.url, location)
+    try:
+        target = urljoin(answer.url, location)
+    except ValueError as exc:  # a Location the server got wrong must not crash the fetch
+        raise FetchError(
+            f"GET {answer.url}: malformed redirect Location {location!r}: {exc}",
+            transient=False,
+        ) from None
     if urlsplit(target).scheme not in ("http", "https"):
         raise FetchError(
             f"GET {answer.url}: redirect to a non-http(s) URL {target!r}", transient=False
@@ -204,12 +271,89 @@ def wait_turn(source: Source) -> float:
         now = engine.db_now()
         slot = max(now, locked.next_request_at or now)
         Source.objects.filter(pk=source.pk).update(
-            next_request_at=slot + timedelta(seconds=locked.spacing_seconds)
+            next_request_at=slot + _spacing(locked.spacing_seconds)
         )
     wait = (slot - now).total_seconds()
     if wait > 0:
         time.sleep(wait)
     return wait
+
+
+def _spacing(seconds: float) -> timedelta:
+    """The row's spacing, held to 0..MAX_SPACING_SECONDS.
+
+    ``add_source`` refuses anything else, but a row written another way must not make
+    every request overflow (``timedelta(seconds=1e308)``) or wait for ever.
+    """
+    if math.isnan(seconds):
+        seconds = MAX_SPACING_SECONDS
+    return timedelta(seconds=min(max(seconds, 0.0), MAX_SPACING_SECONDS))
+
+
+# --- addresses -------------------------------------------------------------------------
+
+
+def is_public(address: IPAddress) -> bool:
+    """Whether ``address`` is on the public internet: not private, loopback, link-local,
+    multicast, reserved, unspecified or otherwise special-purpose (``::ffff:10.0.0.1`` is
+    judged as ``10.0.0.1``)."""
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped
+    return address.is_global and not (
+        address.is_private
+        or address.is_loopback
+        or address.is_link_local
+        or address.is_multicast
+        or address.is_reserved
+        or address.is_unspecified
+    )
+
+
+def address_allowed(address: IPAddress, trusted: Collection[IPAddress]) -> bool:
+    """Whether a request for a source may connect to ``address``.
+
+    ``trusted`` are the addresses the source's own host resolves to: an operator who adds
+    a source on 127.0.0.1 or the office network trusts that host, and only that host.
+    """
+    return is_public(address) or address in trusted
+
+
+def check_address(source: Source, url: str) -> None:
+    """Raise :class:`ForbiddenAddress` unless every address of ``url``'s host is allowed.
+
+    The host is resolved here and again by the connection, so a DNS answer that changes
+    in between (rebinding) is not caught; a literal IP or a stable name is.
+    """
+    internal = sorted((address for address in _resolve(url) if not is_public(address)), key=str)
+    if not internal:
+        return
+    trusted = _source_addresses(source)
+    for address in internal:
+        if not address_allowed(address, trusted):
+            host = urlsplit(url).hostname
+            log.warning("address_forbidden", source=source.name, url=url, address=str(address))
+            raise ForbiddenAddress(
+                f"GET {url}: {host} resolves to {address}, an internal address that is not"
+                f" one of the source's own host ({urlsplit(source.url).hostname})"
+            )
+
+
+def _resolve(url: str) -> frozenset[IPAddress]:
+    parts = urlsplit(url)
+    host = parts.hostname or ""
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError) as exc:  # socket.gaierror is an OSError
+        raise FetchError(f"GET {url}: cannot resolve {host}: {exc}") from exc
+    return frozenset(ipaddress.ip_address(info[4][0]) for info in infos)
+
+
+def _source_addresses(source: Source) -> frozenset[IPAddress]:
+    try:
+        return _resolve(source.url)
+    except (FetchError, ValueError):  # an unresolvable source host trusts nothing
+        return frozenset()
 
 
 # --- robots.txt ------------------------------------------------------------------------
@@ -230,7 +374,7 @@ def _check_robots(client: httpx.Client, source: Source, url: str) -> None:
         text = _source_robots(client, source, origin)
     else:
         text = _other_robots(client, source, origin)
-    if not _parser(text).can_fetch(settings.HOLDFAST_USER_AGENT, url):
+    if not _parser(text).can_fetch(url, _product_token()):
         log.info("robots_disallowed", source=source.name, url=url)
         raise RobotsDisallowed(f"GET {url}: disallowed by {origin}/robots.txt")
 
@@ -267,10 +411,15 @@ def _other_robots(client: httpx.Client, source: Source, origin: str) -> str:
 
 
 def _fetch_robots(client: httpx.Client, source: Source, origin: str) -> str:
-    """robots.txt by RFC 9309: 2xx is the rules, 4xx allows everything, 5xx retries later."""
+    """robots.txt by RFC 9309: 2xx is the rules, 4xx allows everything, 5xx retries later.
+
+    Only the first :data:`ROBOTS_MAX_BYTES` are read (RFC 9309 §2.5: at least 500 KiB,
+    the rest ignored), up to the last complete line.
+    """
     url = f"{origin}/robots.txt"
     for _hop in range(MAX_REDIRECTS + 1):
-        answer = _exchange(client, source, url, None, ROBOTS_MAX_BYTES)
+        check_address(source, url)
+        answer = _exchange(client, source, url, None, ROBOTS_MAX_BYTES, truncate=True)
         target = _redirect_target(answer)
         if target is None:
             break
@@ -278,14 +427,26 @@ def _fetch_robots(client: httpx.Client, source: Source, origin: str) -> str:
     else:
         return ""  # RFC 9309 §2.3.1.2: too many redirects counts as unavailable (allow all)
     if 200 <= answer.status < 300:
-        return answer.body.decode("utf-8", errors="replace")
+        body = answer.body
+        if len(body) >= ROBOTS_MAX_BYTES:
+            body = body[: body.rfind(b"\n") + 1]  # a rule cut in half is no rule
+            log.info("robots_truncated", source=source.name, url=url, size=len(body))
+        return body.decode("utf-8", errors="replace")
     if 400 <= answer.status < 500:
         return ""
     raise FetchError(f"GET {url}: robots.txt answered {answer.status}; not crawling until it works")
 
 
 @lru_cache(maxsize=128)
-def _parser(text: str) -> RobotFileParser:
-    parser = RobotFileParser()
-    parser.parse(text.splitlines())
-    return parser
+def _parser(text: str) -> Protego:
+    """An RFC 9309 matcher: the longest matching rule wins, ``*`` and ``$`` are honoured."""
+    return Protego.parse(text)
+
+
+def _product_token() -> str:
+    """``Holdfast`` from ``Holdfast/0.1 (+https://...; ingestion bot)``.
+
+    Groups are matched on the product token alone: matched against the whole header, a
+    group for ``bot`` or ``github`` would apply to Holdfast too.
+    """
+    return settings.HOLDFAST_USER_AGENT.split("/", 1)[0].split()[0]

@@ -146,6 +146,9 @@ class DiscoveryRun(models.Model):
     source = models.ForeignKey(Source, on_delete=models.CASCADE, related_name="runs")
     state = models.CharField(max_length=10, choices=RunState.choices, default=RunState.RUNNING)
     cursor = models.JSONField(default=list, blank=True)
+    visited = models.JSONField(
+        default=list, blank=True, help_text="listing pages this run has read, never read twice"
+    )
     pages = models.PositiveIntegerField(default=0)
     items = models.PositiveIntegerField(default=0)
     jobs = models.PositiveIntegerField(default=0, help_text="bounded jobs this run took")

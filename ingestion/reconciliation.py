@@ -13,7 +13,7 @@ from jobs.exceptions import HoldfastError, InvalidJob, StateConflict
 from jobs.log import get_logger
 from jobs.serialization import timestamp
 
-from .models import IssueKind, IssueStatus, ReconciliationIssue
+from .models import IssueKind, IssueStatus, ReconciliationIssue, Source
 
 log = get_logger("ingestion.reconciliation")
 
@@ -99,7 +99,12 @@ def resolve_cleared(
 def issues(
     status: str | None = None, kind: str | None = None, source: str | None = None
 ) -> QuerySet[ReconciliationIssue]:
-    """Issues matching the filters, newest first. Unknown filter values are bad input."""
+    """Issues matching the filters, newest first. Unknown filter values are bad input.
+
+    A source is known if a source row has that name or an issue names it: issues may
+    outlive a source's row, and ``record`` accepts any name. Only a name that matches
+    neither is a typo to refuse (filtering on it could only ever answer nothing).
+    """
     if status is not None and status not in IssueStatus.values:
         raise InvalidJob(f"status must be one of {', '.join(IssueStatus.values)}, not {status!r}")
     if kind is not None and kind not in IssueKind.values:
@@ -110,6 +115,9 @@ def issues(
     if kind:
         found = found.filter(kind=kind)
     if source:
+        known = Source.objects.filter(name=source).exists()
+        if not known and not ReconciliationIssue.objects.filter(source=source).exists():
+            raise InvalidJob(f"no source named {source!r}")
         found = found.filter(source=source)
     return found
 

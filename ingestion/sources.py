@@ -33,6 +33,7 @@ DISCOVER_KIND = "ingestion.discover_source"
 NAME_MAX_LENGTH = 100
 URL_MAX_LENGTH = 2000
 MAX_PAGES_PER_RUN = 100_000
+MAX_SPACING_SECONDS = 3600.0  # an hour between requests is as polite as any site asks
 
 
 class SourceNotFound(HoldfastError, LookupError):
@@ -104,8 +105,10 @@ def _validate(
             CronSim(schedule, datetime.now(UTC))
         except CronSimError as exc:
             raise InvalidJob(f"bad cron schedule {schedule!r}: {exc}") from None
-    if not (math.isfinite(spacing) and spacing >= 0):
-        raise InvalidJob(f"spacing must be a number of seconds >= 0, not {spacing!r}")
+    if not (math.isfinite(spacing) and 0 <= spacing <= MAX_SPACING_SECONDS):
+        raise InvalidJob(
+            f"spacing must be from 0 to {MAX_SPACING_SECONDS:g} seconds, not {spacing!r}"
+        )
     if not 1 <= max_pages <= MAX_PAGES_PER_RUN:
         raise InvalidJob(f"max pages per run must be from 1 to {MAX_PAGES_PER_RUN}")
 

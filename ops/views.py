@@ -20,7 +20,7 @@ from django.db import connection, transaction
 from django.db.models import Count, Q, QuerySet
 from drf_spectacular.utils import OpenApiExample, OpenApiResponse, extend_schema
 from rest_framework import serializers
-from rest_framework.exceptions import NotAuthenticated, ValidationError
+from rest_framework.exceptions import NotAuthenticated, NotFound, ValidationError
 from rest_framework.permissions import AllowAny
 from rest_framework.request import Request
 from rest_framework.response import Response
@@ -30,6 +30,7 @@ from rest_framework.views import APIView
 from ingestion import reconciliation, search
 from ingestion.spool import grace_seconds
 from jobs import engine
+from jobs.exceptions import InvalidJob
 from jobs.log import get_logger
 from jobs.models import Worker
 from jobs.serialization import job_detail_dict, job_dict
@@ -226,14 +227,17 @@ class IssuesView(OpsView):
         tags=["reconciliation"],
         summary="Reconciliation issues, newest first",
         parameters=[IssuesQuery],
-        responses={200: IssuesResponse, **schema.READ_ERRORS},
+        responses={200: IssuesResponse, 404: schema.NOT_FOUND, **schema.READ_ERRORS},
     )
     def get(self, request: Request) -> Response:
-        found = reconciliation.issues(
-            status=self.query.get("status"),
-            kind=self.query.get("kind"),
-            source=self.query.get("source"),
-        )
+        try:
+            found = reconciliation.issues(
+                status=self.query.get("status"),
+                kind=self.query.get("kind"),
+                source=self.query.get("source"),
+            )
+        except InvalidJob as exc:  # status and kind are checked above: an unknown source
+            raise NotFound(str(exc)) from None  # as search/ answers an unknown source
         page = paginate(request, self.query, found, "issues", reconciliation.issue_dict)
         return Response(page)
 

@@ -283,6 +283,41 @@ def test_due_artifacts_are_refreshed_in_bounded_batches_oldest_first(source):
     assert Job.objects.filter(kind=FETCH_KIND).count() == len(due)
 
 
+def test_a_disabled_sources_due_artifacts_do_not_starve_the_others(site, source):
+    refresher = artifacts_refresher()
+    disabled = make_source(site, "retired", enabled=False)
+    long_ago = timezone.now() - timedelta(days=60)
+    Artifact.objects.bulk_create(
+        Artifact(source=disabled, url=f"{disabled.url}/due/{i}", state="fetched",
+                 refresh_after=long_ago)
+        for i in range(refresher.batch)
+    )  # fmt: skip
+    enabled = Artifact.objects.create(
+        source=source, url=f"{source.url}/due", state="fetched", refresh_after=long_ago
+    )
+    assert refresher.func(refresher.batch) == 1
+    assert queued_fetches() == {enabled.pk}
+
+
+def test_an_artifact_whose_refresh_died_is_not_picked_again_by_the_next_run(source, run_worker):
+    artifact = artifact_at(source, DOC)
+    fetch(run_worker, artifact)
+    Artifact.objects.filter(pk=artifact.pk).update(refresh_after=timezone.now())
+    # No date is that many days away: the refresh dies of OverflowError, an error no code
+    # path expects, and leaves the artifact as it was (fetched, and due).
+    Source.objects.filter(pk=source.pk).update(refresh_days=999_999_999)
+    refresher = artifacts_refresher()
+    assert refresher.func(refresher.batch) == 1
+    Job.objects.filter(kind=FETCH_KIND, state=State.QUEUED).update(max_attempts=1)
+    run_worker()
+    job = Job.objects.filter(kind=FETCH_KIND).latest("pk")
+    assert job.state == State.DEAD and "OverflowError" in job.last_error
+    artifact.refresh_from_db()
+    assert artifact.state == "fetched"
+    assert artifact.refresh_after > timezone.now() + timedelta(hours=23)  # due in a day
+    assert refresher.func(refresher.batch) == 0
+
+
 # --- commands --------------------------------------------------------------------------
 
 

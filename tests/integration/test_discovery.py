@@ -4,17 +4,20 @@ continuations, upserts that repeat harmlessly, failures, and resuming an interru
 from __future__ import annotations
 
 import gzip
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 import pytest
+from django.db import connection, transaction
 
 from demo.site import FixtureSite, w3c
 from ingestion import discovery
 from ingestion.discovery import ListingError, parse_listing, start_discovery
 from ingestion.models import Artifact, DiscoveryRun, Source
 from ingestion.sources import DISCOVER_KIND, add_source
-from jobs import engine
+from jobs import engine, scheduler
 from jobs.models import Job, State
 from jobs.registry import autodiscover
 
@@ -148,7 +151,7 @@ def test_a_sitemap_index_is_discovered_in_bounded_jobs(site, hooks, run_worker):
     assert [job.state for job in jobs] == [State.SUCCEEDED, State.SUCCEEDED]
     assert jobs[1].unique_key == f"discover:docs:run{run.pk}:job2"
     assert jobs[1].args == {"source": "docs", "run": run.pk}
-    assert jobs[1].result == {"run": run.pk, "pages": 2, "new": 4, "changed": 0,
+    assert jobs[1].result == {"run": run.pk, "pages": 2, "new": 4, "changed": 0, "malformed": 0,
                               "completed": True, "items": 7}  # fmt: skip
     new_ids = sorted(pk for _, new, _ in hooks.discovered for pk in new)
     assert new_ids == sorted(Artifact.objects.values_list("pk", flat=True))
@@ -279,3 +282,138 @@ def test_a_disabled_source_stops_discovering_between_jobs(site, hooks, run_worke
     assert continuation.state == State.SUCCEEDED
     assert continuation.result == {"skipped": "source disabled"}
     assert site.requests == []
+
+
+# --- malformed URLs, unexpected errors, loops ----------------------------------------------
+
+
+def test_a_malformed_url_is_skipped_and_counted_not_fatal():
+    urlset = (
+        b'<urlset xmlns="http://www.sitemaps.org/schemas/sitemap/0.9">'
+        b"<url><loc>http://[::1/x</loc></url>"  # urllib: ValueError("Invalid IPv6 URL")
+        b"<url><loc>https://example.org/b</loc></url></urlset>"
+    )
+    listing = parse_listing(urlset, f"{BASE}/s1.xml")
+    assert [item.url for item in listing.items] == [f"{BASE}/b"]
+    assert listing.malformed == ["http://[::1/x"]
+    index = (
+        b'<sitemapindex xmlns="http://www.sitemaps.org/schemas/sitemap/0.9">'
+        b"<sitemap><loc>http://[::1/s.xml</loc></sitemap>"
+        b"<sitemap><loc>/s2.xml</loc></sitemap></sitemapindex>"
+    )
+    listing = parse_listing(index, f"{BASE}/sitemap.xml")
+    assert (listing.pages, listing.malformed) == ([f"{BASE}/s2.xml"], ["http://[::1/s.xml"])
+
+
+def test_a_run_whose_listing_has_a_malformed_url_completes(site, hooks, run_worker):
+    site.extra_urls.append("http://[::1/x")
+    add_source("docs", "sitemap", site.url("/sitemap.xml"), spacing=0, max_pages_per_run=10)
+    run = discover(run_worker, "docs")
+    assert (run.state, run.pages, run.items) == ("completed", 4, 7)
+    job = Job.objects.get(kind=DISCOVER_KIND)
+    assert job.state == State.SUCCEEDED and job.attempts == 1
+    assert job.result["malformed"] == 1
+
+
+def test_an_unexpected_error_on_a_pages_last_attempt_fails_the_run(
+    site, hooks, run_worker, monkeypatch
+):
+    def broken(source, new, changed):
+        raise RuntimeError("the artifact side is broken")
+
+    monkeypatch.setattr(discovery, "items_discovered", [broken])
+    add_source("docs", "sitemap", site.url("/sitemap.xml"), spacing=0, max_pages_per_run=10)
+    job, _ = start_discovery(Source.objects.get(name="docs"))
+    Job.objects.filter(pk=job.pk).update(max_attempts=2)
+    run_worker()
+    job.refresh_from_db()
+    run = DiscoveryRun.objects.get()
+    assert (job.state, run.state) == (State.QUEUED, "running")  # an early attempt: retried
+    assert run.cursor[0] == site.url("/sitemaps/1.xml")
+    Job.objects.filter(pk=job.pk).update(run_at=engine.db_now())  # skip the backoff
+    run_worker()
+    job.refresh_from_db()
+    run.refresh_from_db()
+    assert job.state == State.DEAD
+    assert run.state == "failed" and run.finished_at is not None
+    assert site.url("/sitemaps/1.xml") in run.error
+    assert "RuntimeError: the artifact side is broken" in run.error
+    # The run is not left running with that page at its head: the next discovery is new.
+    monkeypatch.setattr(discovery, "items_discovered", [])
+    assert discover(run_worker, "docs").state == "completed"
+
+
+def test_feed_pages_that_link_to_each_other_are_read_once_each(
+    site, hooks, run_worker, monkeypatch
+):
+    monkeypatch.setattr(discovery, "MAX_RUN_PAGES", 20)  # without the fix: fails at 20 pages
+    site.per_feed_page = 4  # 7 documents: two pages
+    site.feed_loops = True  # page 1 -> page 2 -> page 1
+    add_source("news", "feed", site.url("/feed.xml?page=1"), spacing=0, max_pages_per_run=10)
+    run = discover(run_worker, "news")
+    assert (run.state, run.pages, run.items, run.jobs) == ("completed", 2, 7, 1), run.error
+    assert run.visited == [site.url("/feed.xml?page=1"), site.url("/feed.xml?page=2")]
+    listing_requests = [r.path for r in site.requests if r.path != "/robots.txt"]
+    assert listing_requests == ["/feed.xml?page=1", "/feed.xml?page=2"]
+
+
+# --- manual and scheduled discoveries -------------------------------------------------------
+
+
+def test_a_scheduled_discovery_gives_way_to_a_manual_one(site, hooks, run_worker):
+    add_source("docs", "sitemap", site.url("/sitemap.xml"), spacing=0, max_pages_per_run=10)
+    manual, message = start_discovery(Source.objects.get(name="docs"))
+    assert manual is not None and message == f"job {manual.pk} discovers 'docs'"
+    # The manual job waits out a backoff; the schedule's slot comes up meanwhile.
+    Job.objects.filter(pk=manual.pk).update(run_at=engine.db_now() + timedelta(hours=1))
+    first_slot = scheduler.run_now("discover:docs")
+    run_worker()
+    first_slot.refresh_from_db()
+    assert first_slot.state == State.SUCCEEDED
+    assert first_slot.result == {"skipped": f"discovery job {manual.pk} is already queued"}
+    assert site.requests == [] and not DiscoveryRun.objects.exists()
+    # A slot queued behind the manual job runs after it, and finds the source just read.
+    Job.objects.filter(pk=manual.pk).update(run_at=engine.db_now())
+    second_slot = scheduler.run_now("discover:docs")
+    run_worker()
+    manual.refresh_from_db()
+    second_slot.refresh_from_db()
+    run = DiscoveryRun.objects.get()
+    assert manual.state == State.SUCCEEDED and run.state == "completed"
+    assert second_slot.result == {"skipped": f"run {run.pk} completed after this job was enqueued"}
+    assert [r.path for r in site.requests].count("/sitemap.xml") == 1
+
+
+def test_a_start_that_lost_the_race_does_not_report_a_new_job(site, hooks, transactional_db):
+    add_source("docs", "sitemap", site.url("/sitemap.xml"), spacing=0)
+    source = Source.objects.get(name="docs")
+    first_enqueued, release = threading.Event(), threading.Event()
+    answers: dict[str, tuple[Job | None, str]] = {}
+
+    def start(name: str, hold: bool) -> None:
+        try:
+            with transaction.atomic():
+                answers[name] = start_discovery(source)
+                if hold:  # commit only once the other start is under way
+                    first_enqueued.set()
+                    release.wait(10)
+        finally:
+            connection.close()
+
+    first = threading.Thread(target=start, args=("first", True))
+    second = threading.Thread(target=start, args=("second", False))
+    first.start()
+    assert first_enqueued.wait(10)
+    second.start()
+    second.join(0.5)
+    assert second.is_alive()  # waits for the first start to commit
+    release.set()
+    first.join(10)
+    second.join(10)
+    job, _ = answers["first"]
+    assert job is not None
+    assert answers["second"] == (
+        None,
+        f"discovery of 'docs' is already queued (job {job.pk}); nothing enqueued",
+    )
+    assert Job.objects.filter(kind=DISCOVER_KIND).count() == 1

@@ -1,5 +1,6 @@
 """The polite HTTP client against a real server on 127.0.0.1 (demo/site.py): statuses,
-robots.txt, redirects, timeouts, size caps, and spacing within and across processes."""
+robots.txt (RFC 9309), redirects, malformed URLs, internal addresses, timeouts, size caps,
+and spacing within and across processes."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import threading
 import time
 from collections.abc import Iterator
 from datetime import timedelta
+from ipaddress import ip_address
 from itertools import pairwise
 
 import pytest
@@ -123,6 +125,54 @@ def test_robots_txt_is_matched_against_holdfasts_user_agent(site, source):
         http.get(source, site.url("/docs/a.html"))
 
 
+@pytest.mark.parametrize(
+    ("robots_txt", "path", "allowed"),
+    [
+        # The longest matching rule wins, wherever it stands in the group (RFC 9309 §2.2.2).
+        ("Allow: /\nDisallow: /private/\n", "/private/secret", False),
+        ("Disallow: /docs/\nAllow: /docs/a.html\n", "/docs/a.html", True),
+        # "*" matches any run of characters, "$" the end of the path.
+        ("Disallow: /*.pdf\n", "/doc.pdf", False),
+        ("Disallow: /*.pdf\n", "/files/doc.pdf?download=1", False),
+        ("Disallow: /*.pdf$\n", "/doc.pdf", False),
+        ("Disallow: /*.pdf$\n", "/doc.pdf?download=1", True),
+    ],
+)
+def test_robots_txt_rules_follow_rfc_9309(site, source, robots_txt, path, allowed):
+    site.robots_txt = "User-agent: *\n" + robots_txt
+    if allowed:
+        assert http.get(source, site.url(path)).url == site.url(path)
+    else:
+        with pytest.raises(http.RobotsDisallowed):
+            http.get(source, site.url(path))
+        assert path not in paths(site)
+
+
+def test_robots_txt_groups_match_the_product_token_only(site, source):
+    """The User-Agent header says "ingestion bot"; a group for "bot" is not Holdfast's."""
+    site.robots_txt = "User-agent: bot\nDisallow: /\n\nUser-agent: holdfast\nDisallow: /private/\n"
+    assert http.get(source, site.url("/docs/a.html")).status == 200
+    with pytest.raises(http.RobotsDisallowed):
+        http.get(source, site.url("/private/page.html"))
+
+
+def test_a_robots_txt_over_the_cap_is_read_up_to_the_cap(site, source):
+    """RFC 9309 §2.5: parse the first 500 KiB or more, ignore the rest; a rule cut by the
+    cap ("Disallow: /docs/a" of "Disallow: /docs/a.html.old") is dropped, not applied."""
+    head = "User-agent: *\nDisallow: /private/\n"
+    cut = "Disallow: /docs/a"
+    filler = http.ROBOTS_MAX_BYTES - len(head) - len(cut)
+    site.robots_txt = (
+        head + "#" * (filler - 1) + "\n" + "Disallow: /docs/a.html.old\nDisallow: /docs/\n"
+    )
+    assert len(site.robots_txt) > http.ROBOTS_MAX_BYTES
+    assert http.get(source, site.url("/docs/a.html")).status == 200
+    with pytest.raises(http.RobotsDisallowed):
+        http.get(source, site.url("/private/page.html"))
+    source.refresh_from_db()
+    assert source.robots_txt == head + "#" * (filler - 1) + "\n"
+
+
 def test_redirects_are_followed_up_to_five_hops_each_robots_checked(site, source):
     response = http.get(source, site.url("/redirect/5"))
     assert (response.status, response.url) == (200, site.url("/redirect/0"))
@@ -174,6 +224,95 @@ def test_non_http_urls_are_refused(source):
     assert refused.value.transient is False
 
 
+@pytest.mark.parametrize("url", ["http://[::1/x", "http://127.0.0.1:99999/x", "http://[oops]/"])
+def test_malformed_urls_are_a_permanent_fetch_error_naming_the_url(source, url):
+    with pytest.raises(http.FetchError) as refused:
+        http.get(source, url)
+    assert refused.value.transient is False
+    assert url in str(refused.value) and "malformed URL" in str(refused.value)
+
+
+@pytest.mark.parametrize("location", ["http://[::1/x", "http://a]b/", "http://[::1]x/"])
+def test_a_malformed_redirect_location_is_a_permanent_fetch_error(site, source, location):
+    site.redirects["/moved"] = location
+    with pytest.raises(http.FetchError) as refused:
+        http.get(source, site.url("/moved"))
+    assert refused.value.transient is False
+    assert site.url("/moved") in str(refused.value) and location in str(refused.value)
+
+
+@pytest.mark.parametrize(
+    ("address", "allowed"),
+    [
+        ("93.184.215.14", True),
+        ("2606:4700::6810:84e5", True),
+        ("::ffff:93.184.215.14", True),
+        ("169.254.169.254", False),  # link-local: cloud metadata
+        ("fe80::1", False),
+        ("127.0.0.1", False),  # loopback
+        ("::1", False),
+        ("::ffff:127.0.0.1", False),  # loopback, IPv4-mapped
+        ("10.0.0.8", False),  # private
+        ("192.168.1.1", False),
+        ("fd00::8", False),
+        ("100.64.0.1", False),  # shared (carrier-grade NAT)
+        ("224.0.0.251", False),  # multicast
+        ("ff02::1", False),
+        ("240.0.0.1", False),  # reserved
+        ("0.0.0.0", False),  # unspecified
+        ("::", False),
+    ],
+)
+def test_only_public_addresses_are_allowed_by_default(address, allowed):
+    assert http.is_public(ip_address(address)) is allowed
+    assert http.address_allowed(ip_address(address), trusted=()) is allowed
+
+
+def test_internal_addresses_of_the_sources_own_host_are_allowed_and_no_others():
+    trusted = {ip_address("127.0.0.1"), ip_address("10.0.0.8")}
+    assert http.address_allowed(ip_address("127.0.0.1"), trusted)
+    assert http.address_allowed(ip_address("10.0.0.8"), trusted)
+    assert not http.address_allowed(ip_address("10.0.0.9"), trusted)
+    assert not http.address_allowed(ip_address("169.254.169.254"), trusted)
+    assert not http.address_allowed(ip_address("::1"), trusted)
+
+
+@pytest.mark.parametrize(
+    "url", ["http://169.254.169.254/latest/meta-data/", "http://10.0.0.8/", "http://[::1]:8000/"]
+)
+def test_a_local_source_refuses_internal_addresses_other_than_its_own(site, source, url):
+    with pytest.raises(http.ForbiddenAddress) as refused:
+        http.get(source, url)  # refused before any connection: nothing listens there
+    assert refused.value.transient is False
+    assert url in str(refused.value) and "internal address" in str(refused.value)
+    assert site.requests == []
+
+
+def test_a_redirect_to_an_internal_address_is_refused(site, source):
+    site.redirects["/metadata"] = "http://169.254.169.254/latest/meta-data/"
+    with pytest.raises(http.ForbiddenAddress) as refused:
+        http.get(source, site.url("/metadata"))
+    assert "http://169.254.169.254/latest/meta-data/" in str(refused.value)
+    assert paths(site) == ["/robots.txt", "/metadata"]
+
+
+def test_a_public_source_cannot_reach_localhost(site):
+    """A third-party listing that points at 127.0.0.1 is refused before any request."""
+    public = Source.objects.create(
+        name="public", kind="sitemap", url="http://93.184.215.14/sitemap.xml", schedule="0 3 * * *"
+    )
+    with pytest.raises(http.ForbiddenAddress):
+        http.get(public, site.url("/docs/a.html"))
+    assert site.requests == []
+
+
+def test_a_local_source_may_fetch_another_port_of_its_own_address(site, source):
+    with FixtureSite() as other:
+        other.add("/docs/b.html", "Beta", "on another port")
+        response = http.get(source, other.url("/docs/b.html"))
+    assert response.status == 200 and b"on another port" in response.body
+
+
 def test_requests_of_one_source_are_spaced(site):
     source = make_source(site, spacing=0.3)
     for _ in range(3):
@@ -199,6 +338,16 @@ def test_the_source_row_is_not_locked_while_a_request_waits_its_turn(site):
     assert time.monotonic() - started < 0.5
     waiter.join(5)
     assert not waiter.is_alive()
+
+
+def test_spacing_is_held_to_the_cap_whatever_the_row_says(site):
+    """A row written around add_source's check neither overflows nor waits past the cap."""
+    source = make_source(site, spacing=1e308)
+    before = timezone.now()
+    assert http.wait_turn(source) <= 0
+    source.refresh_from_db()
+    ahead = (source.next_request_at - before).total_seconds()
+    assert http.MAX_SPACING_SECONDS <= ahead < http.MAX_SPACING_SECONDS + 5
 
 
 def _wait_in_thread(source: Source) -> None:

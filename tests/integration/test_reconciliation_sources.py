@@ -9,15 +9,17 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
+from django.test import Client
 
 from demo.site import FixtureSite
 from ingestion.artifacts import FETCH_KIND
 from ingestion.discovery import start_discovery
 from ingestion.models import Artifact, DiscoveryRun, IssueKind, ReconciliationIssue, Source
-from ingestion.reconciliation import resolve
+from ingestion.reconciliation import record, resolve
 from jobs.models import Job
+from ops import tokens
 
-from .helpers import run_json
+from .helpers import exit_code, run_json
 
 PAGES = {"/docs/a.html": "A", "/docs/b.html": "B", "/docs/c.html": "C"}
 
@@ -178,3 +180,20 @@ def test_an_operator_may_resolve_an_issue_whose_condition_persists(site, source,
     discover(run_worker, source)
     issue.refresh_from_db()
     assert issue.resolved_by == "alice"  # an operator's resolution is never rewritten
+
+
+def test_an_unknown_source_in_the_issue_filter_is_bad_input(source):
+    record(IssueKind.GONE_AT_SOURCE, "https://old.example/a", "retired")  # its row is gone
+    record(IssueKind.QUARANTINED_SUBMISSION, "lab-1.json")  # no source at all
+    assert run_json("list_reconciliation_issues", "--source", "local")["count"] == 0
+    assert run_json("list_reconciliation_issues", "--source", "retired")["count"] == 1
+    assert exit_code("list_reconciliation_issues", "--source", "nosuch", "--json") == 2
+
+    _, token = tokens.create("reader", "read")
+    client = Client(enforce_csrf_checks=True)
+    headers = {"Authorization": f"Bearer {token}"}
+    answer = client.get("/internal/v1/reconciliation-issues/?source=nosuch", headers=headers)
+    assert answer.status_code == 404  # like search/: a query naming no source finds nothing
+    assert "no source named 'nosuch'" in answer.json()["error"]
+    answer = client.get("/internal/v1/reconciliation-issues/?source=retired", headers=headers)
+    assert answer.status_code == 200 and answer.json()["count"] == 1

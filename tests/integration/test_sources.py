@@ -70,6 +70,9 @@ def test_default_schedules_are_daily_stable_and_spread_over_the_day():
         (["docs", "--kind", "feed", "--url", URL, "--schedule", "61 * * * *"], "cron"),
         (["docs", "--kind", "feed", "--url", URL, "--spacing", "-1"], "spacing"),
         (["docs", "--kind", "feed", "--url", URL, "--spacing", "nan"], "spacing"),
+        (["docs", "--kind", "feed", "--url", URL, "--spacing", "1e308"], "3600 seconds"),
+        (["docs", "--kind", "feed", "--url", URL, "--spacing", "3600.5"], "3600 seconds"),
+        (["docs", "--kind", "feed", "--url", URL, "--spacing", "inf"], "spacing"),
         (["docs", "--kind", "feed", "--url", URL, "--max-pages-per-run", "0"], "pages"),
     ],
 )
@@ -79,6 +82,11 @@ def test_bad_input_is_refused_with_a_reason(args, reason):
     assert refused.value.returncode == 2
     assert reason in str(refused.value) and "\n" not in str(refused.value)
     assert not Source.objects.exists()
+
+
+def test_spacing_may_be_up_to_an_hour():
+    assert sources.add_source("slow", "sitemap", URL, spacing=3600).spacing_seconds == 3600
+    assert sources.add_source("fast", "sitemap", URL, spacing=0).spacing_seconds == 0
 
 
 def test_names_are_unique():

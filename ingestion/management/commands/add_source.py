@@ -19,7 +19,10 @@ class Command(JobsCommand):
             "--schedule", help="discovery cron, UTC (default: daily at a minute set by the name)"
         )
         parser.add_argument(
-            "--spacing", type=float, default=1.0, help="seconds between requests (default 1)"
+            "--spacing",
+            type=float,
+            default=1.0,
+            help="seconds between requests, 0 to 3600, across all workers (default 1)",
         )
         parser.add_argument(
             "--max-pages-per-run",
