@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 from urllib.parse import quote
 
 import pytest
@@ -83,3 +84,10 @@ def run_worker(transactional_db: None) -> Iterator[object]:
         return worker.processed
 
     yield run
+
+
+@pytest.fixture
+def blob_dir(settings: Any, tmp_path: Path) -> Path:  # pytest-django's settings fixture
+    """A blob store of the test's own (HOLDFAST_BLOB_DIR), so no test sees another's blobs."""
+    settings.HOLDFAST_BLOB_DIR = tmp_path / "blobs"
+    return settings.HOLDFAST_BLOB_DIR

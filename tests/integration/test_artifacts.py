@@ -26,10 +26,7 @@ from .helpers import exit_code, run, run_json
 
 DOC = "/docs/a.html"
 
-
-@pytest.fixture(autouse=True)
-def blob_dir(settings, tmp_path):
-    settings.HOLDFAST_BLOB_DIR = tmp_path / "blobs"
+pytestmark = pytest.mark.usefixtures("blob_dir")
 
 
 @pytest.fixture

@@ -24,7 +24,7 @@ from jobs.models import Job
 
 from .helpers import run, run_json
 
-pytestmark = pytest.mark.django_db(transaction=True)
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("blob_dir")]
 
 DISCOVER, FETCH, INDEX = (
     "ingestion.discover_source",
@@ -37,11 +37,6 @@ DOCS = {
     "/docs/knots.html": ("Knots", "The bowline makes a fixed loop that will not slip."),
     "/docs/charts.html": ("Charts", "Soundings are given at the lowest astronomical tide."),
 }
-
-
-@pytest.fixture(autouse=True)
-def blob_dir(settings, tmp_path):
-    settings.HOLDFAST_BLOB_DIR = tmp_path / "blobs"
 
 
 @pytest.fixture

@@ -23,10 +23,7 @@ from .helpers import exit_code, run_json
 
 PAGES = {"/docs/a.html": "A", "/docs/b.html": "B", "/docs/c.html": "C"}
 
-
-@pytest.fixture(autouse=True)
-def blob_dir(settings, tmp_path):
-    settings.HOLDFAST_BLOB_DIR = tmp_path / "blobs"
+pytestmark = pytest.mark.usefixtures("blob_dir")
 
 
 @pytest.fixture

@@ -28,7 +28,7 @@ from tests.support.workers import WorkerPool
 
 from .helpers import claim_one, exit_code, run, run_json
 
-pytestmark = pytest.mark.django_db
+pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("blob_dir")]
 
 HTML = b"""<!doctype html>
 <html><head><title>Keeping the Lighthouse</title>
@@ -71,11 +71,6 @@ HOSTILE = [
     "keeper -lamp",
     "x" * 990,
 ]
-
-
-@pytest.fixture(autouse=True)
-def blob_dir(settings, tmp_path):
-    settings.HOLDFAST_BLOB_DIR = tmp_path / "blobs"
 
 
 def make_source(name: str = "docs") -> Source:
