@@ -141,7 +141,18 @@ def enqueue_many(
     if keys is None and spec.unique:
         keys = [_args_key(kind, text) for text in args_json]
     with transaction.atomic():
-        if keys is not None:
+        if keys is not None and len(args_list) == 1:  # enqueue(): one savepoint, one insert
+            job, new = _create_unique(
+                _copy(
+                    template,
+                    args=args_list[0],
+                    locks=locks[0] if locks else None,
+                    unique_key=keys[0],
+                    run_at=when,
+                )
+            )
+            jobs, created = [job], [job] if new else []
+        elif keys is not None:
             jobs, created = _create_unique_many(
                 [
                     _copy(
@@ -257,7 +268,7 @@ def _create_unique_many(jobs: list[Job], keys: list[str]) -> tuple[list[Job], li
     active = _active_by_key(keys)
     for key, job in zip(keys, jobs, strict=True):
         if key not in active:  # its holder finished between our reads
-            active[key] = _create_unique(job)
+            active[key], _ = _create_unique(job)
     for key in sorted(taken):
         log.info("job_deduplicated", job_id=active[key].pk, unique_key=key)
     return [active[key] for key in keys], [active[key] for key in fresh]
@@ -274,19 +285,22 @@ def _active_by_key(keys: Sequence[str]) -> dict[str, Job]:
     return found
 
 
-def _create_unique(job: Job) -> Job:
-    """Insert ``job`` unless an active job holds its unique key; then return that one."""
+def _create_unique(job: Job) -> tuple[Job, bool]:
+    """Insert ``job`` unless an active job holds its unique key; then return that one.
+
+    Also says whether ``job`` is new.
+    """
     try:
         with transaction.atomic():
             job.save(force_insert=True)
-            return job
+            return job, True
     except IntegrityError:
         existing = Job.objects.filter(unique_key=job.unique_key, state__in=ACTIVE_STATES).first()
         if existing is None:  # the holder finished between our insert and this read
             job.save(force_insert=True)
-            return job
+            return job, True
         log.info("job_deduplicated", job_id=existing.pk, unique_key=job.unique_key)
-        return existing
+        return existing, False
 
 
 def _locks(spec: HandlerSpec, args: dict[str, Any]) -> list[str]:

@@ -5,7 +5,8 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
-from .models import Job, JobEvent, JobLock, Lease
+from . import engine
+from .models import Job, JobEvent, Lease
 
 
 def timestamp(value: datetime | None) -> str | None:
@@ -68,7 +69,6 @@ def job_detail_dict(job: Job) -> dict[str, Any]:
     """A job with its attempts, the resource locks it holds now, and its event log."""
     data = job_dict(job)
     data["leases"] = [lease_dict(lease) for lease in job.leases.order_by("lease_token")]
-    held = JobLock.objects.filter(job_id=job.pk).order_by("resource")
-    data["locks"] = list(held.values_list("resource", flat=True))
-    data["events"] = [event_dict(event) for event in job.events.order_by("pk")]
+    data["locks"] = list(engine.held_locks(job.pk).values_list("resource", flat=True))
+    data["events"] = [event_dict(event) for event in engine.events(job.pk)]
     return data

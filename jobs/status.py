@@ -10,7 +10,7 @@ from django.conf import settings
 from django.db.models import Count, Min, Q
 
 from . import engine, scheduler
-from .models import Job, JobLock, State, Worker
+from .models import Job, State, Worker
 from .serialization import timestamp
 
 STALE_WORKER_FLOOR_SECONDS = 30.0
@@ -93,7 +93,7 @@ def queue_status() -> dict[str, Any]:
         "workers": workers,
         "schedules_overdue": scheduler.overdue(now),
         "delayed": Job.objects.filter(Q(state=State.QUEUED) & Q(run_at__gt=now)).count(),
-        "locks_held": JobLock.objects.count(),
+        "locks_held": engine.held_locks().count(),
         **{name: section.figures() for name, section in SECTIONS.items()},
     }
 

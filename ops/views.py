@@ -205,7 +205,8 @@ class CancelView(OpsView):
         summary="Cancel a job (cancel_job ID)",
         description="A queued job is cancelled at once (`state` is `cancelled`). A running job is "
         "asked to stop (`cancel_requested` is true, `state` still `running`): its handler sees "
-        "the request within about 5 seconds and ends `cancelled` if it honours it. A finished "
+        "the request at once on PostgreSQL (NOTIFY), else within 5 seconds, and ends "
+        "`cancelled` if it honours it. A finished "
         "job is a 409.",
         parameters=[schema.id_parameter("job_id", "job")],
         request=None,
