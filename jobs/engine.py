@@ -722,6 +722,7 @@ def reclaim_expired(limit: int = 500) -> list[int]:
                 error_message=message,
             )
             JobLock.objects.filter(job_id=pk, lease_token=token).delete()
+            sql.count_attempt(kind, Outcome.LEASE_EXPIRED, pk, token)  # the metrics' counter
             _event(pk, "heartbeat_missed", token, leased_by or "", last_heartbeat_at=beat)
             _event(pk, "reclaimed", token, leased_by or "", expired_at=expiry, state=new_state)
             reclaimed.append(pk)

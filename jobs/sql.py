@@ -28,7 +28,7 @@ from django.db import IntegrityError, connection, transaction
 from django.db.models import Count
 from django.utils.dateparse import parse_datetime
 
-from .models import Job
+from .models import ATTEMPT_COUNT_SHARDS, DURATION_BUCKETS, Job
 
 
 @dataclass(frozen=True)
@@ -122,9 +122,22 @@ candidate AS (
     FROM claimed
 )"""
 
-# The settle, as CTEs: fenced by state and lease token; the lease row, the lock release and
-# the event are written only if the job row was.
-PG_SETTLE_CTES = """
+
+def _bucket(seconds: str) -> str:
+    """SQL: the index in ``DURATION_BUCKETS`` of the bucket holding ``seconds``."""
+    cases = " ".join(f"WHEN {seconds} <= {b} THEN {i}" for i, b in enumerate(DURATION_BUCKETS))
+    return f"CASE {cases} ELSE {len(DURATION_BUCKETS)} END"
+
+
+SHARDS = ATTEMPT_COUNT_SHARDS
+# An attempt's duration, claim to now, on the database clock (the lease row of job_id, token).
+PG_ATTEMPT_SECONDS = """
+SELECT greatest(0, extract(epoch FROM statement_timestamp() - acquired_at))::float8 AS s
+FROM jobs_lease WHERE job_id = %(job_id)s::bigint AND lease_token = %(token)s::bigint"""
+
+# The settle, as CTEs: fenced by state and lease token; the lease row, the lock release,
+# the event and the attempt counter (metrics) are written only if the job row was.
+PG_SETTLE_CTES = f"""
 settled AS (
     UPDATE jobs_job SET
         state = %(state)s::text,
@@ -157,6 +170,13 @@ settled AS (
            jsonb_build_object('state', %(state)s::text, 'outcome', %(outcome)s::text,
                               'cancel_requested', settled.cancel_requested)
     FROM settled CROSS JOIN settled_lease
+), counted AS (
+    INSERT INTO jobs_attemptcount (kind, outcome, bucket, shard, count, seconds)
+    SELECT %(kind)s::text, %(outcome)s::text, {_bucket("took.s")}, mod(pg_backend_pid(), {SHARDS}),
+           1, took.s
+    FROM settled CROSS JOIN ({PG_ATTEMPT_SECONDS}) AS took
+    ON CONFLICT (kind, outcome, bucket, shard) DO UPDATE SET
+        count = jobs_attemptcount.count + 1, seconds = jobs_attemptcount.seconds + EXCLUDED.seconds
 )"""
 
 PG_CLAIM = f"""
@@ -266,6 +286,41 @@ UPDATE jobs_job SET
 WHERE id = %(job_id)s AND state = 'running' AND lease_token = %(token)s
 RETURNING cancel_requested
 """
+
+# The attempt counters (metrics): one upsert per ended attempt, in its settle's transaction.
+SQLITE_COUNT_ATTEMPT = f"""
+INSERT INTO jobs_attemptcount (kind, outcome, bucket, shard, count, seconds)
+SELECT %(kind)s, %(outcome)s, {_bucket("took.s")}, 0, 1, took.s
+FROM (SELECT max(0.0, (julianday('now') - julianday(acquired_at)) * 86400.0) AS s
+      FROM jobs_lease WHERE job_id = %(job_id)s AND lease_token = %(token)s) AS took
+WHERE true
+ON CONFLICT (kind, outcome, bucket, shard) DO UPDATE SET
+    count = count + 1, seconds = seconds + excluded.seconds
+"""
+
+PG_COUNT_ATTEMPT = f"""
+INSERT INTO jobs_attemptcount (kind, outcome, bucket, shard, count, seconds)
+SELECT %(kind)s::text, %(outcome)s::text, {_bucket("took.s")}, mod(pg_backend_pid(), {SHARDS}),
+       1, took.s
+FROM ({PG_ATTEMPT_SECONDS}) AS took
+ON CONFLICT (kind, outcome, bucket, shard) DO UPDATE SET
+    count = jobs_attemptcount.count + 1, seconds = jobs_attemptcount.seconds + EXCLUDED.seconds
+"""
+
+
+def count_attempt(kind: str, outcome: str, job_id: int, lease_token: int) -> None:
+    """Count an attempt ended outside the settle statement (reclaim), in the caller's
+    transaction."""
+    statement = PG_COUNT_ATTEMPT if is_postgres() else SQLITE_COUNT_ATTEMPT
+    params: dict[str, Any] = {
+        "kind": kind,
+        "outcome": outcome,
+        "job_id": job_id,
+        "token": lease_token,
+    }
+    with connection.cursor() as cursor:
+        cursor.execute(statement, params)
+
 
 SQLITE_SETTLE_LEASE = f"""
 UPDATE jobs_lease SET
@@ -431,6 +486,7 @@ def _sqlite_settle_and_claim(
                 cursor.execute(SQLITE_SETTLE_LEASE, params)
                 (worker,) = cursor.fetchone()
                 cursor.execute(SQLITE_RELEASE_LOCKS, params)
+                cursor.execute(SQLITE_COUNT_ATTEMPT, params)
                 data = {"state": params["state"], "outcome": params["outcome"]}
                 data["cancel_requested"] = bool(job_row[0])
                 event = {"event": "settled", "worker": worker, "data": json.dumps(data)}
@@ -510,6 +566,7 @@ def _lane_filter(
 def _settle_params(job: Claimed, how: Settlement) -> dict[str, Any]:
     return {
         "job_id": job.id,
+        "kind": job.kind,
         "token": job.lease_token,
         "lease_id": job.lease_id,
         "state": how.state,

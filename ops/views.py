@@ -12,16 +12,18 @@ import math
 import os
 import time
 from collections.abc import Callable
-from datetime import timedelta
 from typing import Any, ClassVar
 
 from django.conf import settings
 from django.db import connection, transaction
-from django.db.models import Count, Q, QuerySet
+from django.db.models import QuerySet
+from django.http import HttpResponse
 from drf_spectacular.utils import OpenApiExample, OpenApiResponse, extend_schema
+from prometheus_client.exposition import choose_encoder
 from rest_framework import serializers
 from rest_framework.exceptions import NotAuthenticated, NotFound, ValidationError
 from rest_framework.permissions import AllowAny
+from rest_framework.renderers import BaseRenderer, JSONRenderer
 from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.utils.urls import replace_query_param
@@ -32,11 +34,10 @@ from ingestion.spool import grace_seconds
 from jobs import engine
 from jobs.exceptions import InvalidJob
 from jobs.log import get_logger
-from jobs.models import Worker
 from jobs.serialization import job_detail_dict, job_dict
-from jobs.status import STALE_WORKER_FLOOR_SECONDS, queue_status
+from jobs.status import queue_status
 
-from . import schema
+from . import metrics, schema
 from .authentication import BearerTokenAuthentication
 from .exceptions import DATABASE_DOWN
 from .serializers import (
@@ -302,6 +303,33 @@ class SearchView(OpsView):
         return Response({"count": len(hits), "hits": [search.hit_dict(hit) for hit in hits]})
 
 
+class MetricsView(OpsView):
+    """Prometheus's scrape target: every figure read from the database (``ops.metrics``)."""
+
+    @extend_schema(
+        operation_id="metrics",
+        tags=["health"],
+        summary="Prometheus metrics (text exposition format)",
+        description="Read scope. Prometheus text format, or OpenMetrics when the `Accept` "
+        "header asks for it. Counters are kept in the database: they only grow, across API "
+        'restarts and job pruning. See docs/operations.md, "Metrics".',
+        responses={
+            (200, "text/plain"): OpenApiResponse(str, description="the metrics"),
+            **schema.READ_ERRORS,
+        },
+    )
+    def get(self, request: Request) -> HttpResponse:
+        encoder, content_type = choose_encoder(request.headers.get("Accept", ""))
+        return HttpResponse(encoder(metrics.registry()), content_type=content_type)
+
+    def perform_content_negotiation(
+        self, request: Request, force: bool = False
+    ) -> tuple[BaseRenderer, str]:
+        # The body is Prometheus's format whatever was asked (get() picks the variant);
+        # errors (401, 403, 503) are JSON like every other error of the API.
+        return JSONRenderer(), "application/json"
+
+
 class HealthView(OpsView):
     """Up or down for anyone; details for a token holder."""
 
@@ -342,13 +370,12 @@ class HealthView(OpsView):
 
 def worker_health() -> dict[str, Any]:
     """Workers not stopped, split by whether their heartbeat is recent (as queue_status)."""
-    stale_after = max(STALE_WORKER_FLOOR_SECONDS, float(settings.HOLDFAST_LEASE_SECONDS))
-    cutoff = engine.db_now() - timedelta(seconds=stale_after)
-    counts = Worker.objects.filter(stopped_at__isnull=True).aggregate(
-        live=Count("pk", filter=Q(heartbeat_at__gte=cutoff)),
-        stale=Count("pk", filter=Q(heartbeat_at__lt=cutoff)),
-    )
-    return {"live": counts["live"], "stale": counts["stale"], "stale_after_s": stale_after}
+    counts = metrics.worker_counts()
+    return {
+        "live": counts["live"],
+        "stale": counts["gone"],
+        "stale_after_s": counts["stale_after_s"],
+    }
 
 
 def spool_health() -> dict[str, Any]:
