@@ -171,6 +171,31 @@ LOG_FORMAT = os.environ.get("LOG_FORMAT", "").strip().lower() or None
 LOG_LEVEL = os.environ.get("LOG_LEVEL", "INFO").strip().upper() or "INFO"
 if LOG_FORMAT not in (None, "json", "console"):
     raise ImproperlyConfigured(f"LOG_FORMAT must be 'json' or 'console', got {LOG_FORMAT!r}")
+if LOG_LEVEL not in ("DEBUG", "INFO", "WARNING", "WARN", "ERROR", "CRITICAL", "FATAL"):
+    raise ImproperlyConfigured(
+        f"LOG_LEVEL must be DEBUG, INFO, WARNING, ERROR or CRITICAL, got {LOG_LEVEL!r}"
+    )
+# Every standard-library record (django.request: a 500 with its traceback at error, 4xx at
+# warning; django.security; py.warnings; libraries) goes to stderr through structlog's
+# renderer (jobs.log.StdlibFormatter), whatever DEBUG is; structlog's own events go there too.
+_TO_STDERR = {"handlers": ["stderr"], "level": LOG_LEVEL, "propagate": False}
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "formatters": {"structlog": {"()": "jobs.log.StdlibFormatter"}},
+    "handlers": {
+        "stderr": {
+            "class": "logging.StreamHandler",
+            "stream": "ext://sys.stderr",
+            "formatter": "structlog",
+        }
+    },
+    "root": {"handlers": ["stderr"], "level": LOG_LEVEL},
+    "loggers": {
+        name: _TO_STDERR
+        for name in ("django", "django.request", "django.security", "django.server", "py.warnings")
+    },
+}
 
 # The internal API (ops/, docs/api.md): JSON only, bearer tokens only (no session or basic
 # auth, so no CSRF exposure), errors as {"error", "code"} JSON (ops/exceptions.py).

@@ -12,6 +12,7 @@ import hashlib
 import json
 import os
 import socket
+import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -578,8 +579,15 @@ def cancelled(job: Claimed) -> None:
     settle(job, CANCELLED)
 
 
+# When each attempt this process claimed began (monotonic), for its settle's duration_ms.
+_claimed_at: dict[int, float] = {}
+# A settle's log level: a dead job wants someone's attention, a retry is a warning.
+SETTLE_LEVELS = {"job_dead": "error", "job_retry_scheduled": "warning"}
+
+
 def _log_claimed(job: Claimed | None, worker_id: str) -> None:
     if job is not None:
+        _claimed_at[job.lease_id] = time.monotonic()
         log.info(
             "job_claimed",
             expires_at=job.lease_expires_at.isoformat(),
@@ -589,8 +597,13 @@ def _log_claimed(job: Claimed | None, worker_id: str) -> None:
 
 def _log_settled(job: Claimed, verdict: Verdict, settled: bool) -> bool:
     identity = job_log_context(job)
+    started = _claimed_at.pop(job.lease_id, None)
+    if started is not None:
+        identity["duration_ms"] = round((time.monotonic() - started) * 1000, 1)
     if settled:
-        log.info(verdict.event, **identity, **verdict.fields)
+        getattr(log, SETTLE_LEVELS.get(verdict.event, "info"))(
+            verdict.event, **identity, **verdict.fields
+        )
     else:
         log.warning("lease_lost", during=verdict.event, **identity)
     return settled

@@ -22,6 +22,8 @@ from rest_framework.views import set_rollback
 from jobs.exceptions import HoldfastError, InvalidJob, StateConflict
 from jobs.log import get_logger
 
+from .authentication import client_address
+
 log = get_logger("ops.api")
 
 DATABASE_UNAVAILABLE = "the database is unavailable; try again shortly"
@@ -122,6 +124,14 @@ def exception_handler(exc: Exception, context: dict[str, Any]) -> Response | Non
         }
     if isinstance(api_exc, DatabaseUnavailable):
         log.warning("api_database_unavailable", error=f"{type(exc).__name__}: {exc}", **where)
+    elif isinstance(api_exc, exceptions.NotAuthenticated):
+        log.info(
+            "api_auth_failed",
+            reason="no token",
+            token_prefix=None,
+            client=client_address(request),
+            **where,
+        )
     elif isinstance(api_exc, exceptions.PermissionDenied):
         principal = getattr(request, "user", None)
         log.info("api_forbidden", token=getattr(principal, "name", None), **where)

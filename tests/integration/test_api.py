@@ -759,6 +759,7 @@ def test_the_schema_is_public_json_openapi_3(client):
     assert document["openapi"].startswith("3.")
     assert set(document["paths"]) == {
         "/internal/v1/queue/",
+        "/internal/v1/metrics/",
         "/internal/v1/dead-jobs/",
         "/internal/v1/jobs/{job_id}/",
         "/internal/v1/jobs/{job_id}/requeue/",

@@ -72,6 +72,7 @@ OPERATIONS = [
     ("GET", "/internal/v1/reconciliation-issues/", None, True),
     ("POST", "/internal/v1/reconciliation-issues/{issue_id}/resolve/", "issue_id", True),
     ("GET", "/internal/v1/health/", None, False),
+    ("GET", "/internal/v1/metrics/", None, False),
     ("GET", "/internal/v1/search/", None, True),
 ]
 CASES = [

@@ -119,8 +119,7 @@ def test_a_scrape_matches_the_database(settings, tmp_path: Path, read_token):
     assert value(samples, "holdfast_spool_files", state="incoming") == 1
     assert value(samples, "holdfast_spool_files", state="failed") == 1
     assert set(metrics.METRIC_NAMES) - {"holdfast_schedule_lag_seconds"} <= {
-        name.removesuffix("_count").removesuffix("_sum").removesuffix("_bucket")
-        for name in samples
+        name.removesuffix("_count").removesuffix("_sum").removesuffix("_bucket") for name in samples
     } | {"holdfast_job_attempts_total", "holdfast_reconciliation_issues"}
 
 
