@@ -201,7 +201,7 @@ LOGGING = {
 # auth, so no CSRF exposure), errors as {"error", "code"} JSON (ops/exceptions.py).
 REST_FRAMEWORK = {
     "DEFAULT_RENDERER_CLASSES": ["rest_framework.renderers.JSONRenderer"],
-    "DEFAULT_PARSER_CLASSES": ["rest_framework.parsers.JSONParser"],
+    "DEFAULT_PARSER_CLASSES": ["ops.parsers.JSONParser"],
     "DEFAULT_AUTHENTICATION_CLASSES": ["ops.authentication.BearerTokenAuthentication"],
     "DEFAULT_PERMISSION_CLASSES": ["ops.authentication.TokenScope"],
     "UNAUTHENTICATED_USER": None,
