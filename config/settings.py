@@ -36,6 +36,18 @@ def env_number(name: str, default: float) -> float:
     return number
 
 
+def var_dir() -> Path:
+    """``HOLDFAST_VAR_DIR``, created if missing; a path that cannot be a directory is a
+    configuration error (one line, exit 2), not a traceback."""
+    try:
+        VAR_DIR.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ImproperlyConfigured(
+            f"HOLDFAST_VAR_DIR {str(VAR_DIR)!r} is not a usable directory: {exc.strerror or exc}"
+        ) from None
+    return VAR_DIR
+
+
 def local_secret_key() -> str:
     """Return the development key kept in ``var/secret_key``, creating it once (mode 0600).
 
@@ -46,12 +58,19 @@ def local_secret_key() -> str:
         return path.read_text().strip()
     except FileNotFoundError:
         pass
-    VAR_DIR.mkdir(parents=True, exist_ok=True)
+    except NotADirectoryError:
+        pass  # var_dir() says why
+    var_dir()
     key = secrets.token_urlsafe(50)
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     except FileExistsError:  # another process won the race; use its key
         return path.read_text().strip()
+    except OSError as exc:
+        raise ImproperlyConfigured(
+            f"cannot write the local secret key {str(path)!r} ({exc.strerror or exc}); "
+            "set DJANGO_SECRET_KEY or make HOLDFAST_VAR_DIR writable"
+        ) from None
     with os.fdopen(fd, "w") as handle:
         handle.write(key)
     return key
@@ -89,8 +108,7 @@ ASGI_APPLICATION = "config.asgi.application"
 def database_config(variable: str = "DATABASE_URL") -> dict[str, Any]:
     url = os.environ.get(variable, "").strip()
     if not url:
-        VAR_DIR.mkdir(parents=True, exist_ok=True)
-        url = f"sqlite:///{VAR_DIR / 'holdfast.sqlite3'}"
+        url = f"sqlite:///{var_dir() / 'holdfast.sqlite3'}"
     try:
         config: dict[str, Any] = dict(dj_database_url.parse(url))
     except Exception as exc:  # dj-database-url raises several types for bad URLs

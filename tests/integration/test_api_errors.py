@@ -84,7 +84,9 @@ MATRIX = [
 @pytest.mark.parametrize(
     ("status", "method", "path", "who", "extra"),
     MATRIX,
-    ids=[f"{s}-{m}-{'token' if w else 'anonymous'}-{i}" for i, (s, m, _, w, _) in enumerate(MATRIX)],
+    ids=[
+        f"{s}-{m}-{'token' if w else 'anonymous'}-{i}" for i, (s, m, _, w, _) in enumerate(MATRIX)
+    ],
 )
 def test_every_error_status_is_json(status, method, path, who, extra, read_token, write_token):
     engine.enqueue("test.echo")
