@@ -6,11 +6,14 @@ safe default, so a fresh clone runs on the embedded SQLite database under ``var/
 
 import os
 import secrets
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import dj_database_url
 from django.core.exceptions import ImproperlyConfigured
+
+from jobs import durations
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 VAR_DIR = Path(os.environ.get("HOLDFAST_VAR_DIR", BASE_DIR / "var"))
@@ -46,6 +49,17 @@ def var_dir() -> Path:
             f"HOLDFAST_VAR_DIR {str(VAR_DIR)!r} is not a usable directory: {exc.strerror or exc}"
         ) from None
     return VAR_DIR
+
+
+def env_duration(name: str, default: str) -> timedelta | None:
+    """A duration (``14d``, ``12h``, ``30m``; jobs.durations), or None for ``off``."""
+    value = os.environ.get(name, "").strip() or default
+    if value.lower() == "off":
+        return None
+    try:
+        return durations.parse(value)
+    except ValueError as exc:
+        raise ImproperlyConfigured(f"{name}: {exc}, or off") from None
 
 
 def local_secret_key() -> str:
@@ -171,6 +185,12 @@ HOLDFAST_BLOB_DIR = Path(os.environ.get("HOLDFAST_BLOB_DIR", VAR_DIR / "blobs"))
 HOLDFAST_LANES: dict[str, dict] = {"default": {}}
 # Recurring jobs declared in settings (DESIGN §6); handlers may also declare schedule=.
 HOLDFAST_SCHEDULES: dict[str, dict] = {}
+# Built-in retention (jobs/retention.py, run by every scheduler): finished jobs, with their
+# attempts and events, are deleted this long after they finished; "off" keeps them.
+HOLDFAST_RETAIN_SUCCEEDED = env_duration("HOLDFAST_RETAIN_SUCCEEDED", "14d")
+HOLDFAST_RETAIN_CANCELLED = env_duration("HOLDFAST_RETAIN_CANCELLED", "14d")
+HOLDFAST_RETAIN_DEAD = env_duration("HOLDFAST_RETAIN_DEAD", "90d")
+HOLDFAST_RETENTION_SECONDS = env_number("HOLDFAST_RETENTION_SECONDS", 600)  # between passes
 # How often the built-in refresh job asks each registered refresher for due refreshes.
 HOLDFAST_REFRESH_SECONDS = env_number("HOLDFAST_REFRESH_SECONDS", 300)
 # Polite HTTP for sources and artifacts (ingestion/http.py, docs/sources.md).

@@ -26,7 +26,7 @@ from django.db.models.functions import Now
 from django.utils import timezone
 
 from . import lanes as lane_config
-from . import sql
+from . import retention, sql
 from .exceptions import (
     InvalidJob,
     JobNotFound,
@@ -858,19 +858,7 @@ def prune(older_than: timedelta, include_dead: bool = False, batch: int = 5000) 
     so that no single transaction holds the table for long; returns how many went.
     """
     states = [State.SUCCEEDED, State.CANCELLED] + ([State.DEAD] if include_dead else [])
-    cutoff = Now() - older_than
-    deleted = 0
-    while True:
-        with transaction.atomic():
-            ids = list(
-                Job.objects.filter(state__in=states, finished_at__lt=cutoff)
-                .order_by("finished_at")
-                .values_list("pk", flat=True)[:batch]
-            )
-            if not ids:
-                break
-            Job.objects.filter(pk__in=ids, state__in=states).delete()
-            deleted += len(ids)
+    deleted = sum(retention.prune(dict.fromkeys(states, older_than), batch=batch).values())
     log.info(
         "jobs_pruned",
         count=deleted,
