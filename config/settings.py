@@ -178,6 +178,9 @@ HOLDFAST_SHUTDOWN_GRACE_SECONDS = env_number("HOLDFAST_SHUTDOWN_GRACE_SECONDS", 
 HOLDFAST_LEASE_SECONDS = env_number("HOLDFAST_LEASE_SECONDS", 60)
 HOLDFAST_POLL_SECONDS = env_number("HOLDFAST_POLL_SECONDS", 1)
 HOLDFAST_RECLAIM_SECONDS = env_number("HOLDFAST_RECLAIM_SECONDS", 5)
+# health/ fails (ingester_stuck) when a submission waits in incoming/ longer than this: a
+# running ingester takes files within seconds. 0 turns the check off.
+HOLDFAST_SPOOL_STUCK_SECONDS = env_number("HOLDFAST_SPOOL_STUCK_SECONDS", 300)
 HOLDFAST_SPOOL_DIR = Path(os.environ.get("HOLDFAST_SPOOL_DIR", VAR_DIR / "spool"))
 # PostgreSQL role granted exactly the spool ingester's privileges by a migration (unset: none).
 HOLDFAST_INGESTER_DB_ROLE = os.environ.get("HOLDFAST_INGESTER_DB_ROLE", "").strip()

@@ -39,7 +39,7 @@ from jobs.status import queue_status
 
 from . import metrics, schema
 from .authentication import BearerTokenAuthentication
-from .exceptions import DATABASE_DOWN
+from .exceptions import DATABASE_DOWN, one_line
 from .serializers import (
     PAGE_SIZE_DEFAULT,
     DeadJobsQuery,
@@ -331,7 +331,7 @@ class MetricsView(OpsView):
 
 
 class HealthView(OpsView):
-    """Up or down for anyone; details for a token holder."""
+    """200 ``ok``, or 503 when something needs a human; details for a token holder."""
 
     authentication_classes = [BearerTokenAuthentication]
     permission_classes = [AllowAny]
@@ -340,23 +340,39 @@ class HealthView(OpsView):
         operation_id="health",
         tags=["health"],
         summary="Liveness and readiness",
-        description="Without a token: only `status`. With a valid token (read or write): also "
-        "the database, worker heartbeats and the spool's backlog. A bad token is a 401 here too. "
-        'When the database is unreachable: 503 with only `{"status": "down"}`.',
+        description="200 `ok`; 503 `failing` when no worker is live, the spool is overdue or "
+        "the ingester is stuck (not taking files), 503 `down` when the database is "
+        "unreachable. Without a token: only `status`. With a valid token (read or write): "
+        "also `reasons` (each with a `code` and a one-line `detail`), the database, worker "
+        "heartbeats and the spool's backlog. A bad token is a 401 here too. When the "
+        'database is unreachable: 503 with only `{"status": "down"}`.',
         responses={
             200: HealthResponse,
             400: schema.BAD_INPUT,
             401: schema.UNAUTHENTICATED,
-            503: OpenApiResponse(HealthResponse, description="down: the database is unreachable"),
+            503: OpenApiResponse(
+                HealthResponse, description="failing (see `reasons`), or down: no database"
+            ),
         },
     )
     def get(self, request: Request) -> Response:
         with connection.cursor() as cursor:  # raises if the database is unreachable
             cursor.execute("SELECT 1")
+        workers, spool = worker_health(), spool_health()
+        reasons = health_reasons(workers, spool)
+        status = "failing" if reasons else "ok"
+        code = 503 if reasons else 200
         if not isinstance(request.user, Principal):
-            return Response({"status": "ok"})
+            return Response({"status": status}, status=code)
         return Response(
-            {"status": "ok", "database": "ok", "workers": worker_health(), "spool": spool_health()}
+            {
+                "status": status,
+                "reasons": reasons,
+                "database": "ok",
+                "workers": workers,
+                "spool": spool,
+            },
+            status=code,
         )
 
     def handle_exception(self, exc: Exception) -> Response:
@@ -366,6 +382,41 @@ class HealthView(OpsView):
             log.warning("api_database_unavailable", error=f"{type(exc).__name__}: {exc}")
             return Response({"status": "down"}, status=503)
         return super().handle_exception(exc)
+
+
+def health_reasons(workers: dict[str, Any], spool: dict[str, Any]) -> list[dict[str, str]]:
+    """Why ``health/`` is failing (empty: it is not), each ``{code, detail}``."""
+    reasons = []
+    if not workers["live"]:
+        reasons.append(
+            {
+                "code": "no_live_worker",
+                "detail": f"no worker has sent a heartbeat in the last "
+                f"{workers['stale_after_s']:g} s ({workers['stale']} registered worker(s) gone)",
+            }
+        )
+    age = spool.get("oldest_age_s")
+    if spool.get("stale"):
+        reasons.append(
+            {
+                "code": "spool_overdue",
+                "detail": f"the oldest submission in incoming/ has waited {age:.0f} s, longer "
+                f"than the grace period of {spool['grace_s']:g} s: the ingester stops on it",
+            }
+        )
+    stuck_after = float(settings.HOLDFAST_SPOOL_STUCK_SECONDS)
+    if stuck_after and age is not None and age > stuck_after:
+        reasons.append(
+            {
+                "code": "ingester_stuck",
+                "detail": f"{spool['pending']} submission(s) wait in incoming/, the oldest for "
+                f"{age:.0f} s (HOLDFAST_SPOOL_STUCK_SECONDS is {stuck_after:g}): no ingester "
+                "is taking them",
+            }
+        )
+    if spool.get("error"):
+        reasons.append({"code": "spool_unreadable", "detail": one_line(spool["error"])})
+    return reasons
 
 
 def worker_health() -> dict[str, Any]:
