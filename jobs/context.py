@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import math
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -12,6 +14,8 @@ from django.db import transaction
 from . import engine
 from .exceptions import Cancelled, LeaseLost
 from .sql import Claimed
+
+PROGRESS_INTERVAL = 1.0  # seconds: at most one progress write per job and second
 
 
 class JobContext:
@@ -31,6 +35,8 @@ class JobContext:
         self.completed = False
         self.settling = False  # set by the worker once the handler has returned
         self.result: Any = None
+        self._pending_progress: tuple[int, int | None, str] | None = None
+        self._progress_written_at = -math.inf
         self._lease_lost = threading.Event()
         self._cancel_requested = threading.Event()
         if job.cancel_requested:  # asked while an earlier attempt ran, and not honoured
@@ -65,9 +71,11 @@ class JobContext:
         """A transaction whose writes commit only while this attempt holds the lease."""
         if self.completed:
             raise RuntimeError(f"job {self.job_id} already completed in an earlier ctx.atomic()")
+        written = None
         try:
             with transaction.atomic():
                 engine.fence(self.job_id, self.lease_token, self.job.lease_seconds)
+                written = self._write_pending_progress()
                 yield
                 if complete:
                     engine.complete(self.job, result)
@@ -76,6 +84,10 @@ class JobContext:
                     transaction.on_commit(lambda: self._mark_completed(result))
         except LeaseLost:
             self.mark_lease_lost()
+            raise
+        except BaseException:
+            if written is not None and self._pending_progress is None:
+                self._pending_progress = written  # rolled back with the block: keep it
             raise
 
     def _mark_completed(self, result: Any) -> None:
@@ -92,6 +104,36 @@ class JobContext:
             raise
 
     def progress(self, done: int, total: int | None = None, note: str = "") -> None:
-        """Record progress on the job, fenced like every other write."""
-        with self.atomic():
-            engine.record_progress(self.job, done, total, note)
+        """Record progress on the job, fenced like every other write.
+
+        Throttled to one write (and one event row and log line) per
+        ``PROGRESS_INTERVAL`` seconds; the latest value in between is kept and written by
+        the next write that happens: a later ``progress()``, the next ``ctx.atomic()``
+        block (inside its transaction, so ``complete=True`` commits it with the result), or
+        the worker before it settles the attempt. The last value is never lost.
+        """
+        if self.lease_lost:
+            raise LeaseLost(
+                f"job {self.job_id} is no longer running under lease {self.lease_token}"
+            )
+        self._pending_progress = (done, total, note)
+        if time.monotonic() - self._progress_written_at >= PROGRESS_INTERVAL:
+            self.flush_progress()
+
+    def flush_progress(self) -> None:
+        """Write the progress held back by the throttle, if any (fenced)."""
+        if self._pending_progress is not None and not self.completed:
+            with self.atomic():
+                pass  # atomic() writes the pending progress inside its transaction
+
+    def _write_pending_progress(self) -> tuple[int, int | None, str] | None:
+        """Inside a fenced block: write the held-back progress; returns what it wrote (the
+        block puts it back if it rolls back)."""
+        pending = self._pending_progress
+        if pending is None:
+            return None
+        done, total, note = pending
+        engine.record_progress(self.job, done, total, note)
+        self._pending_progress = None
+        self._progress_written_at = time.monotonic()
+        return pending
