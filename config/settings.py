@@ -98,6 +98,28 @@ ALLOWED_HOSTS = [
     if host.strip()
 ]
 
+# Behind a TLS-terminating proxy (docs/deployment.md): the proxy says the original scheme in
+# X-Forwarded-Proto (and must overwrite any the client sent), so request.is_secure() and
+# every absolute URL (the API's pagination links) keep https; plain-http requests are
+# redirected and browsers are told HSTS. Each piece can be set on its own too.
+BEHIND_TLS_PROXY = env_bool("HOLDFAST_BEHIND_TLS_PROXY")
+if BEHIND_TLS_PROXY:
+    SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https")
+SECURE_SSL_REDIRECT = env_bool("DJANGO_SECURE_SSL_REDIRECT", BEHIND_TLS_PROXY)
+SECURE_HSTS_SECONDS = int(
+    env_number("DJANGO_SECURE_HSTS_SECONDS", 31_536_000 if BEHIND_TLS_PROXY else 0)
+)
+SECURE_HSTS_INCLUDE_SUBDOMAINS = env_bool("DJANGO_SECURE_HSTS_INCLUDE_SUBDOMAINS", True)
+SECURE_HSTS_PRELOAD = env_bool("DJANGO_SECURE_HSTS_PRELOAD", BEHIND_TLS_PROXY)
+SESSION_COOKIE_SECURE = CSRF_COOKIE_SECURE = BEHIND_TLS_PROXY or SECURE_SSL_REDIRECT
+# Exempt paths from the https redirect (a regex each, comma-separated), e.g. a load
+# balancer's plain-http probe of health/: "^internal/v1/health/$".
+SECURE_REDIRECT_EXEMPT = [
+    path.strip()
+    for path in os.environ.get("DJANGO_SECURE_REDIRECT_EXEMPT", "").split(",")
+    if path.strip()
+]
+
 INSTALLED_APPS = [
     "django.contrib.contenttypes",
     "django.contrib.auth",
@@ -112,6 +134,10 @@ INSTALLED_APPS = [
 MIDDLEWARE = [
     "django.middleware.security.SecurityMiddleware",
     "django.middleware.common.CommonMiddleware",
+    # No cookies or forms here (bearer tokens only), but `check --deploy` rightly wants
+    # both: a view added later is protected by default.
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.middleware.clickjacking.XFrameOptionsMiddleware",
 ]
 
 ROOT_URLCONF = "config.urls"
