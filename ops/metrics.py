@@ -18,6 +18,7 @@ grow with the size of ``jobs_job``.
 from __future__ import annotations
 
 import os
+import time
 from collections import defaultdict
 from collections.abc import Iterator
 from datetime import timedelta
@@ -51,6 +52,7 @@ METRIC_NAMES = (
     "holdfast_job_duration_seconds",
     "holdfast_schedule_lag_seconds",
     "holdfast_spool_files",
+    "holdfast_spool_oldest_age_seconds",
     "holdfast_reconciliation_issues",
 )
 
@@ -67,22 +69,32 @@ def worker_counts() -> dict[str, Any]:
     return {"live": counts["live"], "gone": counts["gone"], "stale_after_s": stale_after}
 
 
-def spool_files() -> dict[str, int]:
-    """Submissions waiting in ``incoming/`` and quarantined in ``failed/``."""
+def spool_files() -> tuple[dict[str, int], float]:
+    """Submissions waiting in ``incoming/`` and quarantined in ``failed/``, and the age in
+    seconds of the oldest one waiting (0: none)."""
     root = settings.HOLDFAST_SPOOL_DIR
     found: dict[str, int] = {}
+    oldest: float | None = None
     for state in ("incoming", "failed"):
         count = 0
         try:
             with os.scandir(root / state) as entries:
                 for entry in entries:
                     name = entry.name
-                    if name.endswith(".json") and not name.endswith(".reason.json"):
-                        count += 1
+                    if not name.endswith(".json") or name.endswith(".reason.json"):
+                        continue
+                    count += 1
+                    if state == "incoming":
+                        try:
+                            mtime = entry.stat().st_mtime
+                        except FileNotFoundError:  # taken by the ingester meanwhile
+                            count -= 1
+                            continue
+                        oldest = mtime if oldest is None else min(oldest, mtime)
         except (FileNotFoundError, NotADirectoryError):
             pass
         found[state] = count
-    return found
+    return found, 0.0 if oldest is None else max(0.0, time.time() - oldest)
 
 
 class HoldfastCollector(Collector):
@@ -114,9 +126,15 @@ class HoldfastCollector(Collector):
         spool = GaugeMetricFamily(
             "holdfast_spool_files", "Spool submissions by directory", labels=["state"]
         )
-        for state, count in spool_files().items():
+        files, oldest_age = spool_files()
+        for state, count in files.items():
             spool.add_metric([state], count)
         yield spool
+        yield GaugeMetricFamily(
+            "holdfast_spool_oldest_age_seconds",
+            "Age of the oldest submission waiting in incoming/ (0: none)",
+            value=oldest_age,
+        )
         yield self._issues()
 
     def _jobs(self, now: Any) -> Iterator[Metric]:
