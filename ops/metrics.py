@@ -25,7 +25,7 @@ from datetime import timedelta
 from typing import Any
 
 from django.conf import settings
-from django.db.models import Count, Min, Q, Sum
+from django.db.models import Count, Min, Q, QuerySet, Sum
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -97,6 +97,27 @@ def spool_files() -> tuple[dict[str, int], float]:
     return found, 0.0 if oldest is None else max(0.0, time.time() - oldest)
 
 
+def gauged_counts() -> QuerySet[Job, tuple[str, str, int]]:
+    """(lane, state, count) of queued, running and dead jobs: through the (state, lane,
+    kind) index, so the finished history is never read."""
+    return (
+        Job.objects.filter(state__in=GAUGED_STATES)
+        .values_list("lane", "state")
+        .annotate(n=Count("id"))
+        .order_by()
+    )
+
+
+def oldest_runnable(now: Any) -> QuerySet[Job, tuple[str, Any]]:
+    """(lane, oldest run_at) of runnable queued jobs, through the claim's partial index."""
+    return (
+        Job.objects.filter(state=State.QUEUED, run_at__lte=now)
+        .values_list("lane")
+        .annotate(oldest=Min("run_at"))
+        .order_by()
+    )
+
+
 class HoldfastCollector(Collector):
     """Reads every figure from the database (and the spool directory) on each scrape."""
 
@@ -140,12 +161,7 @@ class HoldfastCollector(Collector):
     def _jobs(self, now: Any) -> Iterator[Metric]:
         known = set(lane_config.lanes())
         counts: dict[tuple[str, str], int] = {}
-        for lane, state, n in (
-            Job.objects.filter(state__in=GAUGED_STATES)
-            .values_list("lane", "state")
-            .annotate(n=Count("id"))
-            .order_by()
-        ):
+        for lane, state, n in gauged_counts():
             counts[(lane, state)] = n
             known.add(lane)
         jobs = GaugeMetricFamily(
@@ -157,12 +173,7 @@ class HoldfastCollector(Collector):
             for state in GAUGED_STATES:
                 jobs.add_metric([lane, state.value], counts.get((lane, state.value), 0))
         yield jobs
-        oldest = dict(
-            Job.objects.filter(state=State.QUEUED, run_at__lte=now)
-            .values_list("lane")
-            .annotate(oldest=Min("run_at"))
-            .order_by()
-        )
+        oldest = dict(oldest_runnable(now))
         age = GaugeMetricFamily(
             "holdfast_queue_oldest_age_seconds",
             "Age of the oldest runnable queued job per lane (0: none waiting)",

@@ -164,3 +164,27 @@ def test_a_schedule_behind_its_slot_shows_its_lag(read_token):
     )
     lag = value(scrape(read_token), "holdfast_schedule_lag_seconds", schedule="nightly")
     assert 3500 < lag < 3700
+
+
+@pytest.mark.postgres
+def test_a_scrape_never_reads_the_finished_history():
+    """The gauges' queries go through indexes that skip succeeded and cancelled rows (the
+    planner is told to avoid sequential scans, as it would on a big table)."""
+    from django.db import connection
+
+    from ops.metrics import gauged_counts, oldest_runnable
+
+    for _ in range(3):
+        engine.enqueue("test.echo")
+        engine.complete(claim_one(), None)
+    with connection.cursor() as cursor:
+        cursor.execute("SET enable_seqscan = off")
+    try:
+        plans = [gauged_counts().explain(), oldest_runnable(timezone.now()).explain()]
+    finally:
+        with connection.cursor() as cursor:
+            cursor.execute("RESET enable_seqscan")
+    for plan in plans:
+        assert "Seq Scan on jobs_job" not in plan, plan
+    assert "job_state_idx" in plans[0], plans[0]
+    assert "job_claim" in plans[1], plans[1]
