@@ -127,3 +127,26 @@ def test_check_reports_the_tasks_backend_checks_on_a_clean_start(tmp_path: Path)
     assert code == 1 and "holdfast.E011" in err and "holdfast.E012" in err, err
     code, _, err = finish(missing)
     assert code == 1 and "holdfast.E010" in err, err
+
+
+def test_check_deploy_is_clean_in_the_documented_production_environment(tmp_path: Path):
+    """deploy/systemd/holdfast.env.example, with a real key, passes `check --deploy`."""
+    import secrets
+
+    env = {key: value for key, value in os.environ.items() if not key.startswith("DJANGO_")}
+    env.pop("DATABASE_URL", None)
+    for line in (REPO / "deploy" / "systemd" / "holdfast.env.example").read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            key, _, value = line.partition("=")
+            env[key] = value
+    env.update(
+        DJANGO_SETTINGS_MODULE="config.settings",
+        DJANGO_SECRET_KEY=secrets.token_urlsafe(50),
+        HOLDFAST_VAR_DIR=str(tmp_path / "var"),
+        HOLDFAST_SPOOL_DIR=str(tmp_path / "var" / "spool"),
+        HOLDFAST_BLOB_DIR=str(tmp_path / "var" / "blobs"),
+    )
+    assert env["HOLDFAST_BEHIND_TLS_PROXY"] == "1" and env["DJANGO_DEBUG"] == "0"
+    code, out, err = finish(start([sys.executable, MANAGE, "check", "--deploy"], env))
+    assert code == 0, err
+    assert "System check identified no issues" in out + err, out + err
