@@ -43,6 +43,7 @@ def source(site: FixtureSite, transactional_db: None) -> Source:
 
 def make_source(site: FixtureSite, name: str, **fields: object) -> Source:
     return Source.objects.create(
+        allow_private=True,
         name=name,
         kind="sitemap",
         url=site.url("/sitemap.xml"),

@@ -139,7 +139,14 @@ def documents(site: FixtureSite) -> dict[str, str]:
 
 
 def test_a_sitemap_index_is_discovered_in_bounded_jobs(site, hooks, run_worker):
-    add_source("docs", "sitemap", site.url("/sitemap.xml"), spacing=0, max_pages_per_run=2)
+    add_source(
+        "docs",
+        "sitemap",
+        site.url("/sitemap.xml"),
+        spacing=0,
+        max_pages_per_run=2,
+        allow_private=True,
+    )
     run = discover(run_worker, "docs")
     # Index + 3 sitemaps = 4 listing pages, 2 per job.
     assert (run.state, run.pages, run.items, run.jobs) == ("completed", 4, 7, 2)
@@ -162,19 +169,28 @@ def test_a_sitemap_index_is_discovered_in_bounded_jobs(site, hooks, run_worker):
 
 
 def test_a_paged_feed_is_followed_through_its_next_links(site, hooks, run_worker):
-    add_source("news", "feed", site.url("/feed.xml"), spacing=0, max_pages_per_run=1)
+    add_source(
+        "news", "feed", site.url("/feed.xml"), spacing=0, max_pages_per_run=1, allow_private=True
+    )
     run = discover(run_worker, "news")
     assert (run.state, run.pages, run.items, run.jobs) == ("completed", 3, 7, 3)
     found = artifacts("news")
     assert {url: lastmod for url, (lastmod, _) in found.items()} == documents(site)
     assert found[site.url("/docs/1.html")][1] == "Document 1"
-    rss = add_source("rss", "feed", site.url("/rss.xml"), spacing=0)
+    rss = add_source("rss", "feed", site.url("/rss.xml"), spacing=0, allow_private=True)
     run = discover(run_worker, rss.name)
     assert (run.state, run.pages, run.items, run.jobs) == ("completed", 3, 7, 1)
 
 
 def test_a_second_run_reports_new_and_changed_items_and_repeats_harmlessly(site, hooks, run_worker):
-    add_source("docs", "sitemap", site.url("/sitemap.xml"), spacing=0, max_pages_per_run=3)
+    add_source(
+        "docs",
+        "sitemap",
+        site.url("/sitemap.xml"),
+        spacing=0,
+        max_pages_per_run=3,
+        allow_private=True,
+    )
     first = discover(run_worker, "docs")
     before = {a.url: (a.pk, a.lastmod, a.discovered_at) for a in Artifact.objects.all()}
     hooks.discovered.clear()
@@ -201,7 +217,7 @@ def test_a_second_run_reports_new_and_changed_items_and_repeats_harmlessly(site,
 
 
 def test_a_missing_listing_page_fails_the_run_and_the_job(site, hooks, run_worker):
-    add_source("docs", "sitemap", site.url("/sitemaps/9.xml"), spacing=0)
+    add_source("docs", "sitemap", site.url("/sitemaps/9.xml"), spacing=0, allow_private=True)
     run = discover(run_worker, "docs")
     assert run.state == "failed" and site.url("/sitemaps/9.xml") in run.error
     assert "404" in run.error
@@ -215,7 +231,7 @@ def test_a_missing_listing_page_fails_the_run_and_the_job(site, hooks, run_worke
 
 def test_a_listing_disallowed_by_robots_fails_the_run(site, hooks, run_worker):
     site.robots_txt = "User-agent: *\nDisallow: /sitemaps/\n"
-    add_source("docs", "sitemap", site.url("/sitemap.xml"), spacing=0)
+    add_source("docs", "sitemap", site.url("/sitemap.xml"), spacing=0, allow_private=True)
     run = discover(run_worker, "docs")
     assert run.state == "failed" and "robots.txt" in run.error
     assert run.pages == 1  # the index was read; its first sitemap was refused
@@ -223,7 +239,14 @@ def test_a_listing_disallowed_by_robots_fails_the_run(site, hooks, run_worker):
 
 
 def test_a_server_error_is_retried_from_the_committed_cursor(site, hooks, run_worker):
-    add_source("docs", "sitemap", site.url("/sitemap.xml"), spacing=0, max_pages_per_run=10)
+    add_source(
+        "docs",
+        "sitemap",
+        site.url("/sitemap.xml"),
+        spacing=0,
+        max_pages_per_run=10,
+        allow_private=True,
+    )
     site.redirects["/sitemaps/2.xml"] = "/status/503"
     job, _ = start_discovery(Source.objects.get(name="docs"))
     run_worker()
@@ -240,7 +263,14 @@ def test_a_server_error_is_retried_from_the_committed_cursor(site, hooks, run_wo
 
 
 def test_an_interrupted_run_is_resumed_not_restarted(site, hooks, run_worker):
-    add_source("docs", "sitemap", site.url("/sitemap.xml"), spacing=0, max_pages_per_run=2)
+    add_source(
+        "docs",
+        "sitemap",
+        site.url("/sitemap.xml"),
+        spacing=0,
+        max_pages_per_run=2,
+        allow_private=True,
+    )
     source = Source.objects.get(name="docs")
     run = DiscoveryRun.objects.create(
         source=source, cursor=[site.url("/sitemaps/3.xml")], pages=3, jobs=2
@@ -257,7 +287,14 @@ def test_an_interrupted_run_is_resumed_not_restarted(site, hooks, run_worker):
 
 
 def test_a_scheduled_discovery_leaves_a_run_in_progress_alone(site, hooks, run_worker):
-    add_source("docs", "sitemap", site.url("/sitemap.xml"), spacing=0, max_pages_per_run=1)
+    add_source(
+        "docs",
+        "sitemap",
+        site.url("/sitemap.xml"),
+        spacing=0,
+        max_pages_per_run=1,
+        allow_private=True,
+    )
     source = Source.objects.get(name="docs")
     run = DiscoveryRun.objects.create(source=source, cursor=[site.url("/sitemaps/1.xml")])
     continuation = engine.enqueue(
@@ -272,7 +309,14 @@ def test_a_scheduled_discovery_leaves_a_run_in_progress_alone(site, hooks, run_w
 
 
 def test_a_disabled_source_stops_discovering_between_jobs(site, hooks, run_worker):
-    add_source("docs", "sitemap", site.url("/sitemap.xml"), spacing=0, max_pages_per_run=1)
+    add_source(
+        "docs",
+        "sitemap",
+        site.url("/sitemap.xml"),
+        spacing=0,
+        max_pages_per_run=1,
+        allow_private=True,
+    )
     source = Source.objects.get(name="docs")
     run = DiscoveryRun.objects.create(source=source, cursor=[site.url("/sitemaps/1.xml")])
     continuation = engine.enqueue(DISCOVER_KIND, {"source": "docs", "run": run.pk})
@@ -307,7 +351,14 @@ def test_a_malformed_url_is_skipped_and_counted_not_fatal():
 
 def test_a_run_whose_listing_has_a_malformed_url_completes(site, hooks, run_worker):
     site.extra_urls.append("http://[::1/x")
-    add_source("docs", "sitemap", site.url("/sitemap.xml"), spacing=0, max_pages_per_run=10)
+    add_source(
+        "docs",
+        "sitemap",
+        site.url("/sitemap.xml"),
+        spacing=0,
+        max_pages_per_run=10,
+        allow_private=True,
+    )
     run = discover(run_worker, "docs")
     assert (run.state, run.pages, run.items) == ("completed", 4, 7)
     job = Job.objects.get(kind=DISCOVER_KIND)
@@ -322,7 +373,14 @@ def test_an_unexpected_error_on_a_pages_last_attempt_fails_the_run(
         raise RuntimeError("the artifact side is broken")
 
     monkeypatch.setattr(discovery, "items_discovered", [broken])
-    add_source("docs", "sitemap", site.url("/sitemap.xml"), spacing=0, max_pages_per_run=10)
+    add_source(
+        "docs",
+        "sitemap",
+        site.url("/sitemap.xml"),
+        spacing=0,
+        max_pages_per_run=10,
+        allow_private=True,
+    )
     job, _ = start_discovery(Source.objects.get(name="docs"))
     Job.objects.filter(pk=job.pk).update(max_attempts=2)
     run_worker()
@@ -349,7 +407,14 @@ def test_feed_pages_that_link_to_each_other_are_read_once_each(
     monkeypatch.setattr(discovery, "MAX_RUN_PAGES", 20)  # without the fix: fails at 20 pages
     site.per_feed_page = 4  # 7 documents: two pages
     site.feed_loops = True  # page 1 -> page 2 -> page 1
-    add_source("news", "feed", site.url("/feed.xml?page=1"), spacing=0, max_pages_per_run=10)
+    add_source(
+        "news",
+        "feed",
+        site.url("/feed.xml?page=1"),
+        spacing=0,
+        max_pages_per_run=10,
+        allow_private=True,
+    )
     run = discover(run_worker, "news")
     assert (run.state, run.pages, run.items, run.jobs) == ("completed", 2, 7, 1), run.error
     assert run.visited == [site.url("/feed.xml?page=1"), site.url("/feed.xml?page=2")]
@@ -361,7 +426,14 @@ def test_feed_pages_that_link_to_each_other_are_read_once_each(
 
 
 def test_a_scheduled_discovery_gives_way_to_a_manual_one(site, hooks, run_worker):
-    add_source("docs", "sitemap", site.url("/sitemap.xml"), spacing=0, max_pages_per_run=10)
+    add_source(
+        "docs",
+        "sitemap",
+        site.url("/sitemap.xml"),
+        spacing=0,
+        max_pages_per_run=10,
+        allow_private=True,
+    )
     manual, message = start_discovery(Source.objects.get(name="docs"))
     assert manual is not None and message == f"job {manual.pk} discovers 'docs'"
     # The manual job waits out a backoff; the schedule's slot comes up meanwhile.
@@ -385,7 +457,7 @@ def test_a_scheduled_discovery_gives_way_to_a_manual_one(site, hooks, run_worker
 
 
 def test_a_start_that_lost_the_race_does_not_report_a_new_job(site, hooks, transactional_db):
-    add_source("docs", "sitemap", site.url("/sitemap.xml"), spacing=0)
+    add_source("docs", "sitemap", site.url("/sitemap.xml"), spacing=0, allow_private=True)
     source = Source.objects.get(name="docs")
     first_enqueued, release = threading.Event(), threading.Event()
     answers: dict[str, tuple[Job | None, str]] = {}

@@ -75,7 +75,11 @@ HOSTILE = [
 
 def make_source(name: str = "docs") -> Source:
     return Source.objects.create(
-        name=name, kind="sitemap", url=f"https://{name}.example.org/sitemap.xml", schedule="@daily"
+        allow_private=True,
+        name=name,
+        kind="sitemap",
+        url=f"https://{name}.example.org/sitemap.xml",
+        schedule="@daily",
     )
 
 

@@ -49,7 +49,14 @@ def test_sigkill_mid_discovery_resumes_from_the_committed_cursor(
         for n in range(1, 11):
             site.add(f"/docs/{n}.html", f"Document {n}", f"text number {n}")
         # The index and five sitemaps, two listing pages per job: three jobs.
-        add_source("victim", "sitemap", site.url("/sitemap.xml"), spacing=0, max_pages_per_run=2)
+        add_source(
+            "victim",
+            "sitemap",
+            site.url("/sitemap.xml"),
+            spacing=0,
+            max_pages_per_run=2,
+            allow_private=True,
+        )
         held = site.hold("/sitemaps/3.xml")  # the second page of the second job
         first, _ = start_discovery(Source.objects.get(name="victim"))
         assert first is not None
@@ -75,7 +82,14 @@ def test_sigkill_mid_discovery_resumes_from_the_committed_cursor(
         requests = Counter(request.path for request in site.requests)
 
         # An uninterrupted discovery of the same site, for comparison.
-        add_source("control", "sitemap", site.url("/sitemap.xml"), spacing=0, max_pages_per_run=2)
+        add_source(
+            "control",
+            "sitemap",
+            site.url("/sitemap.xml"),
+            spacing=0,
+            max_pages_per_run=2,
+            allow_private=True,
+        )
         start_discovery(Source.objects.get(name="control"))
         control = finished_run("control", workers)
         assert rescuer.alive
