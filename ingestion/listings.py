@@ -320,7 +320,9 @@ def _feed(body: bytes, url: str, content_type: str) -> Listing:
         link = absolute(url, entry.get("link", ""), malformed)
         if not link:
             continue
-        moment = entry.get("updated_parsed") or entry.get("published_parsed")
+        # feedparser maps a missing ``updated`` to ``published`` with a warning: ask first.
+        moment = entry["updated_parsed"] if "updated_parsed" in entry else None
+        moment = moment or entry.get("published_parsed")
         lastmod = _canonical(_utc(moment)) if moment else ""
         items.append(Item(link, lastmod, entry.get("title", "")))
     links = parsed.feed.get("links", [])
