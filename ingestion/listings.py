@@ -321,7 +321,7 @@ def _feed(body: bytes, url: str, content_type: str) -> Listing:
         if not link:
             continue
         # feedparser maps a missing ``updated`` to ``published`` with a warning: ask first.
-        moment = entry["updated_parsed"] if "updated_parsed" in entry else None
+        moment = entry["updated_parsed"] if "updated_parsed" in entry else None  # noqa: SIM401
         moment = moment or entry.get("published_parsed")
         lastmod = _canonical(_utc(moment)) if moment else ""
         items.append(Item(link, lastmod, entry.get("title", "")))
