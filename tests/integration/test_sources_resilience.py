@@ -246,7 +246,7 @@ def test_a_404_child_sitemap_is_an_issue_and_the_other_children_are_read(site, r
 def test_a_child_failing_transiently_on_every_attempt_still_lets_the_run_end(site, run_worker):
     source = make_source(site)
     site.redirects["/sitemaps/1.xml"] = "/status/503"
-    job, _ = start_discovery(source)
+    start_discovery(source)
     for _ in range(discovery.PAGE_TRIES + 3):
         run_worker()
         run_ = DiscoveryRun.objects.get(source=source)
