@@ -9,15 +9,18 @@ good fetch) through the polite client, and its outcome decides everything else:
                        not opens ``content_changed_unannounced``
 304, or the same hash  unchanged: only ``fetched_at`` and ``refresh_after`` move
 404, 410               ``gone``, with a ``gone_at_source`` issue (the job succeeds)
-5xx, 408, 429,         raised, so the engine retries with backoff; the last attempt
-timeouts, connection   gives up as below
-other 4xx, too large,  ``failed``, with a ``permanent_fetch_failure`` issue committed
-robots, redirects      before ``PermanentError`` sends the job to ``dead``
+5xx, 408, 429,         raised, so the engine retries with backoff; on the last attempt
+timeouts, connection   the document is kept (body, index entry), the next try is put
+                       off with a backoff and ``fetch_failing`` opens; the job succeeds
+other 4xx, too large,  never fetched: ``failed``; with a good body: kept, retried with
+robots, redirects      the backoff. A ``permanent_fetch_failure`` issue is committed
+                       before ``PermanentError`` sends the job to ``dead``
 =====================  ==============================================================
 
-Every artifact write happens in the job's fenced ``ctx.atomic()``, so a stale attempt
-never lands one. A good fetch resolves the artifact's ``gone_at_source`` and
-``permanent_fetch_failure`` issues by itself. Fetches of one artifact never overlap: the
+Only a 404/410 takes a document out of search. Every artifact write happens in the
+job's fenced ``ctx.atomic()``, so a stale attempt never lands one. A good fetch resolves
+the artifact's ``gone_at_source``, ``fetch_failing`` and ``permanent_fetch_failure``
+issues by itself. Fetches of one artifact never overlap: the
 handler holds the resource lock ``artifact:<id>``, and every way in (discovery, the
 refresher, ``force_refresh``) enqueues with the unique key ``fetch:<id>``.
 """
