@@ -45,6 +45,7 @@ from protego import Protego
 from jobs.exceptions import HoldfastError
 
 LASTMOD_LENGTH = 64
+FEED_ROOTS = ("feed", "rss", "rdf")
 URL_LENGTH = 2000
 
 
@@ -80,7 +81,12 @@ def parse_listing(body: bytes, url: str, content_type: str = "") -> Listing:
     body = _inflated(body, url)
     if urlsplit(url).path.endswith("/robots.txt"):
         return _robots(body, url)
-    text = decode(body, content_type, url)
+    try:
+        text = decode(body, content_type, url)
+    except ListingError:
+        if root_tag(body.decode("latin-1")) in FEED_ROOTS:
+            return _feed(body, url, content_type)  # feedparser has its own fallbacks
+        raise
     start = text.lstrip("\ufeff \t\r\n")
     if not start.startswith("<"):
         return _text_sitemap(start, url)
@@ -89,7 +95,7 @@ def parse_listing(body: bytes, url: str, content_type: str = "") -> Listing:
     tag = root_tag(text)
     if tag in ("sitemapindex", "urlset"):
         return _sitemap_xml(text, url, tag)
-    if tag in ("feed", "rss", "rdf"):
+    if tag in FEED_ROOTS:
         return _feed(body, url, content_type)
     raise ListingError(f"{url}: <{tag or '?'}> is neither a sitemap nor an RSS/Atom feed")
 

@@ -218,3 +218,12 @@ def test_an_rfc5005_archived_feed_names_its_prev_archive_and_a_complete_feed_say
         f"<title>t</title><fh:complete/><entry><link href='{B}/e'/></entry></feed>"
     ).encode()
     assert parse_listing(complete, f"{B}/feed").complete is True
+
+
+def test_a_feed_with_an_unknown_encoding_is_left_to_feedparsers_fallbacks():
+    body = (
+        "<?xml version='1.0' encoding='x-made-up'?><rss version='2.0'><channel>"
+        f"<item><title>Caf\xe9</title><link>{B}/1</link></item></channel></rss>"
+    ).encode("iso-8859-1")
+    listing = parse_listing(body, f"{B}/feed", "application/rss+xml")
+    assert [item.url for item in listing.items] == [f"{B}/1"]
