@@ -302,7 +302,7 @@ def test_a_prev_archive_feed_is_read_through_its_archives(site, run_worker):
     archive = window_feed(site, [1, 2]).replace(b"<title>w</title>", b"<title>a</title>")
     current = window_feed(site, [3]).replace(
         b"<title>w</title>",
-        f"<title>w</title><link rel='prev-archive' href='/archive/1'/>".encode(),
+        b"<title>w</title><link rel='prev-archive' href='/archive/1'/>",
     )
     site.replies["/feed-current.xml"] = (200, "application/atom+xml", current)
     site.replies["/archive/1"] = (200, "application/atom+xml", archive)
