@@ -228,6 +228,9 @@ HOLDFAST_USER_AGENT = (
     or "Holdfast/0.1 (+https://github.com/holdfast; ingestion bot)"
 )
 HOLDFAST_FETCH_TIMEOUT_SECONDS = env_number("HOLDFAST_FETCH_TIMEOUT_SECONDS", 20)
+# Total network time of one fetch, robots.txt and redirects included (per-read timeouts
+# above still apply): a server trickling a byte a second is cut off here.
+HOLDFAST_FETCH_DEADLINE_SECONDS = env_number("HOLDFAST_FETCH_DEADLINE_SECONDS", 120)
 HOLDFAST_FETCH_MAX_BYTES = int(env_number("HOLDFAST_FETCH_MAX_BYTES", 10 * 1024 * 1024))
 # Django's Tasks framework runs on Holdfast (docs/django-tasks.md): `@task` functions are
 # enqueued as `django.task` jobs and run by `manage.py runworker`, with leases and retries.
