@@ -930,6 +930,7 @@ class Writer:
         (log.info if self.log_batches else log.debug)(
             "spool_batch_applied",
             files=len(batch),
+            bytes=sum(entry.size for entry in batch),
             applied=len(result.applied),
             duplicates=len(result.already),
             quarantined=len(result.issues),
@@ -1262,26 +1263,38 @@ def drain(
     settle = settle_seconds() if settle is None else settle
     spool.ensure()
     monitor = Monitor(spool, stuck_after=stuck_after, grace=grace)
-    writer = writer or Writer(spool)
+    writer = Writer(spool) if writer is None else writer
     writer.report, writer.report_error = monitor.outcome, monitor.error
     writer.deadline = monitor.deadline
     directory = open_dir(spool.incoming)
+    held: Entry | None = None  # read, but it did not fit in the writer's batch
     try:
         while True:
             if should_stop is not None and should_stop():
                 if writer.buffer and not writer.retrying:
                     writer.flush()
-                for entry in writer.drop():
+                for entry in [*writer.drop(), *([held] if held else [])]:
                     monitor.outcome(entry.name, RETRY, "", 0.0)
                 return monitor.progress
             now = time.monotonic()
             if monitor.scan_due(now):
                 monitor.scan(now)
             while writer.accepting:
-                names = monitor.take(1)
-                if not names:
+                if held is None:
+                    taken = monitor.take(1)
+                    if not taken:
+                        break
+                    entry, outcome, detail, delay = read_outcome(
+                        spool, taken[0], limits, directory, settle
+                    )
+                    if entry is None:
+                        monitor.outcome(taken[0], outcome, detail, delay)
+                        continue
+                    held = entry
+                if not writer.room(held.size):
                     break
-                _read_into(spool, names[0], limits, directory, settle, writer, monitor)
+                writer.add(held)
+                held = None
             if writer.due(idle=True):
                 writer.flush()
             if monitor.drained:
@@ -1289,23 +1302,7 @@ def drain(
                 if monitor.drained:
                     return monitor.progress
             monitor.check()
-            if writer.buffer or monitor.in_flight or not monitor.todo:
+            if writer.buffer or held is not None or not monitor.todo:
                 time.sleep(min(max(writer.wait_seconds(), poll_seconds), 1.0))
     finally:
         os.close(directory)
-
-
-def _read_into(
-    spool: Spool,
-    name: str,
-    limits: Limits,
-    directory: int,
-    settle: float,
-    writer: Writer,
-    monitor: Monitor,
-) -> None:
-    entry, outcome, detail, delay = read_outcome(spool, name, limits, directory, settle)
-    if entry is None:
-        monitor.outcome(name, outcome, detail, delay)
-    else:
-        writer.add(entry)

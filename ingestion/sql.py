@@ -98,7 +98,7 @@ SQLITE_NOW = "STRFTIME('%%Y-%%m-%%d %%H:%%M:%%f', 'NOW')"  # Django's Now() on S
 SQLITE_UPSERT = (
     f"INSERT INTO {FACTS} ({FACT_COLUMNS}) "
     "SELECT json_extract(value, '$.lab_id'), json_extract(value, '$.entity'), "
-    "json_extract(value, '$.key'), json(json_extract(value, '$.attributes_text')), "
+    "json_extract(value, '$.key'), json_extract(value, '$.attributes_text'), "
     "json_extract(value, '$.submitted_at') "
     f"FROM json_each(%s) WHERE true {UPSERT_GUARD}"
 )
@@ -197,7 +197,7 @@ def upsert_facts(rows: Sequence[FactWrite], using: str = DEFAULT_DB_ALIAS) -> No
             f'"attributes":{row.attributes},"submitted_at":"{times(row.submitted_at)}"}}'
             for row in rows
         ]
-    else:  # as text, turned into JSON by json() (SQLite keeps the text, all digits)
+    else:  # as text, stored as it is (SQLite keeps the text: all digits)
         parts = [
             f'{{"lab_id":{row.lab_id},"entity":{dumps(row.entity)},"key":{dumps(row.key)},'
             f'"attributes_text":{dumps(row.attributes)},'
