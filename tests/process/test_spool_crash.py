@@ -177,8 +177,11 @@ def test_a_blocked_database_leaves_every_file_and_exits_1_after_the_stuck_timeou
 ) -> None:
     before = fill(spool)
     with facts_table_locked():
+        started = time.monotonic()
         result = ingest(workers, spool, "--stuck-after", "2")
+        took = time.monotonic() - started
     one_line_failure(result, "stuck: 7 file(s) pending", "every file left in place")
+    assert took < 2 + 12, f"{took:.1f} s, start-up included: on time, not after the lock"
     assert_nothing_happened(spool, before)
 
     result = ingest(workers, spool)  # the lock is gone: everything applies, once
