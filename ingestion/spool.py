@@ -1284,13 +1284,13 @@ def drain(
                     taken = monitor.take(1)
                     if not taken:
                         break
-                    entry, outcome, detail, delay = read_outcome(
+                    found, outcome, detail, delay = read_outcome(
                         spool, taken[0], limits, directory, settle
                     )
-                    if entry is None:
+                    if found is None:
                         monitor.outcome(taken[0], outcome, detail, delay)
                         continue
-                    held = entry
+                    held = found
                 if not writer.room(held.size):
                     break
                 writer.add(held)
