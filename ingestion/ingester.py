@@ -308,7 +308,7 @@ def _writer_main(
                 while held and writer.accepting and writer.room(held[0].size):
                     writer.add(held.popleft())
                 if not held and writer.accepting:
-                    timeout = IDLE_SECONDS if writer.buffer else 0.5
+                    timeout = IDLE_SECONDS if writer.buffer else 0.2
                     try:
                         found = entries.get(timeout=timeout)
                     except queue.Empty:
@@ -441,6 +441,10 @@ def run(
 
         # Done (or asked to stop): the readers stop, the writer commits what it holds.
         stop_children.set()
+        for _ in readers:  # wake them now rather than at their next poll
+            names.put(None)
+        with contextlib.suppress(queue.Full):
+            entries.put_nowait([])
         while writer.is_alive() or any(reader.is_alive() for reader in readers):
             writer.join(timeout=options.poll_seconds)
             collect()
