@@ -1177,6 +1177,13 @@ class Monitor:
     def error(self, message: str) -> None:
         self.progress.last_error = message
 
+    def next_retry_in(self, now: float | None = None) -> float | None:
+        """Seconds until the next file waiting for a retry may be read again (None: none)."""
+        if not self.retries:
+            return None
+        now = time.monotonic() if now is None else now
+        return max(0.0, self.retries[0][0] - now)
+
     # -- state and rules
 
     @property
@@ -1303,6 +1310,10 @@ def drain(
                     return monitor.progress
             monitor.check()
             if writer.buffer or held is not None or not monitor.todo:
-                time.sleep(min(max(writer.wait_seconds(), poll_seconds), 1.0))
+                wait = writer.wait_seconds()
+                retry = monitor.next_retry_in()
+                if retry is not None:
+                    wait = min(wait, retry)
+                time.sleep(min(max(wait, poll_seconds), 1.0))
     finally:
         os.close(directory)
