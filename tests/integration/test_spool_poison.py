@@ -592,3 +592,16 @@ def test_any_exception_while_parsing_is_the_files_own() -> None:
         with pytest.raises(InvalidSubmission) as raised:
             parse(json.dumps(submission()).encode(), Limits())
     assert raised.value.stage == "parse" and "OverflowError" in raised.value.message
+
+
+def test_a_file_name_that_is_not_utf8_is_quarantined_not_fatal(
+    db: None, the_spool: Spool, drop: Drop
+) -> None:
+    goods(drop, 2)
+    name = os.fsdecode(b"bad-\xff.json")  # a producer's byte name: no database stores it
+    (the_spool.incoming / name).write_text(json.dumps(submission(key="odd")))
+    progress = drain(the_spool, stuck_after=10)
+    assert (progress.applied, progress.quarantined) == (2, 1)
+    assert names(the_spool.failed) == [name, f"{name}.reason.json"]
+    assert reason(the_spool, name)["stage"] == "file"
+    assert ReconciliationIssue.objects.get().subject == "bad-\ufffd.json"
