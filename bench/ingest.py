@@ -1,6 +1,7 @@
 """The spool ingester's benchmark (issue 5): files/s and facts/s next to a raw upsert bound.
 
-    .venv/bin/python bench/ingest.py [--files N] [--big-files M] [--repeat R] [--quick]
+    .venv/bin/python bench/ingest.py [--files N] [--big-files M] [--scale-files K]
+                                     [--repeat R] [--quick]
 
 On PostgreSQL only, in a scratch database (``holdfast_bench`` on the server of
 ``BENCH_DATABASE_URL``, as ``bench/run.py``; it is dropped and recreated), migrated with
@@ -28,6 +29,16 @@ writer's batch limit), in two forms:
   target was set and the first figures were taken, kept so they stay comparable.
 
 Target: with 2 readers, at least 40% of the bound (``small``).
+
+**Scale** (issue 13): the same small submissions at N (default 5,000) and K (default
+100,000) files, through both entry points of the one pipeline:
+
+* ``command``: ``ingest_submissions --once --workers 2`` (its own ``elapsed_s``);
+* ``drain``: :func:`ingestion.spool.drain` in one process, the job ``ingestion.ingest_spool``'s
+  entry point (its own ``elapsed_s``, run through ``manage.py shell``).
+
+Target: at K files each entry point drains at no less than 80% of its rate at N files
+(``x at N`` column), i.e. the cost per file does not grow with the spool.
 """
 
 from __future__ import annotations
@@ -64,6 +75,16 @@ LABS = 10
 MIB = 1024 * 1024
 BOUND_FACTS_PER_COMMIT = 20_000  # the writer's max_facts
 TARGET_RATIO = 0.40  # 2 readers x the bound
+SCALE_TARGET = 0.80  # rate at K files / rate at N files, per entry point
+SCALE_FILES = 100_000
+
+DRAIN = """
+import json, os
+from pathlib import Path
+from ingestion.spool import Spool, drain
+progress = drain(Spool(Path(os.environ["HOLDFAST_BENCH_SPOOL"])), stuck_after=120, grace=0)
+print(json.dumps(progress.as_dict()))
+"""
 
 GUARD = (
     "ON CONFLICT (lab_id, entity, key) DO UPDATE "
@@ -100,6 +121,7 @@ class Row:
     seconds: float
     note: str = ""
     bound: float | None = None  # files/s of the bound, for the ratio
+    base: float | None = None  # files/s of the same entry point at N files (scale rows)
 
     @property
     def files_per_s(self) -> float:
@@ -112,6 +134,10 @@ class Row:
     @property
     def ratio(self) -> float | None:
         return None if not self.bound else self.files_per_s / self.bound
+
+    @property
+    def scale(self) -> float | None:
+        return None if not self.base else self.files_per_s / self.base
 
 
 def fact(i: int, j: int) -> dict[str, Any]:
@@ -135,12 +161,18 @@ def submission(i: int, excerpt_bytes: int) -> dict[str, Any]:
     return doc
 
 
-def fill(spool: Path, variant: Variant) -> None:
+def fill(spool: Path, variant: Variant, sync: bool = False) -> None:
     incoming = spool / "incoming"
     shutil.rmtree(spool, ignore_errors=True)
     incoming.mkdir(parents=True)
     for i in range(variant.files):
         (incoming / f"s{i:06}.json").write_text(json.dumps(submission(i, variant.excerpt_bytes)))
+    if sync:
+        # Written back before the clock starts, at every size alike: a 5,000-file spool
+        # would otherwise never reach the disk before it is unlinked, while a 100,000-file
+        # one does (the kernel's 30 s writeback), and the rows would compare page cache
+        # with disk rather than the ingester at two sizes.
+        os.sync()
 
 
 def truncate(db: Database) -> None:
@@ -197,34 +229,32 @@ def bound(db: Database, variant: Variant, form: str) -> float:
     return seconds
 
 
-def ingest(db: Database, tmp: Path, variant: Variant, workers: int) -> tuple[float, float]:
-    """(the ingester's elapsed_s, wall seconds with start-up) for one --once run."""
+def ingest(
+    db: Database, tmp: Path, variant: Variant, workers: int, entry: str = "command"
+) -> tuple[float, float]:
+    """(the ingester's elapsed_s, wall seconds with start-up) for one drain of the spool,
+    through ``entry``: ``command`` (``ingest_submissions --once``) or ``drain`` (the job
+    handler's entry point, in one process)."""
     truncate(db)
     spool = tmp / "spool"
-    fill(spool, variant)
+    fill(spool, variant, sync=variant.name.startswith("scale"))
+    if entry == "command":
+        argv = ["manage.py", "ingest_submissions", "--spool", str(spool), "--once"]
+        argv += ["--workers", str(workers), "--json", "--grace", "0"]
+    else:
+        argv = ["manage.py", "shell", "-c", DRAIN]
+    env = django_env(db, tmp)
+    env["HOLDFAST_BENCH_SPOOL"] = str(spool)
+    env["HOLDFAST_SPOOL_SETTLE_SECONDS"] = "0"
     started = time.perf_counter()
     done = subprocess.run(
-        [
-            sys.executable,
-            "manage.py",
-            "ingest_submissions",
-            "--spool",
-            str(spool),
-            "--once",
-            "--workers",
-            str(workers),
-            "--json",
-        ],
-        cwd=ROOT,
-        env=django_env(db, tmp),
-        capture_output=True,
-        text=True,
-        check=False,
+        [sys.executable, *argv], cwd=ROOT, env=env, capture_output=True, text=True, check=False
     )
     wall = time.perf_counter() - started
     if done.returncode != 0:
-        raise SystemExit(f"ingest_submissions failed:\n{done.stderr[-3000:]}")
-    result = json.loads(done.stdout)
+        raise SystemExit(f"{entry} failed:\n{done.stderr[-3000:]}")
+    out = done.stdout.strip()
+    result = json.loads(out if entry == "command" else out.splitlines()[-1])
     facts, acks = counts(db)
     if (result["applied"], acks, facts) != (
         variant.files,
@@ -233,6 +263,25 @@ def ingest(db: Database, tmp: Path, variant: Variant, workers: int) -> tuple[flo
     ):
         raise SystemExit(f"not everything applied: {result}, {acks} acks, {facts} facts")
     return float(result["elapsed_s"]), wall
+
+
+def measure_scale(
+    db: Database, tmp: Path, files: int, scale_files: int, repeat: int, say: Any
+) -> list[Row]:
+    """The scale rows: each entry point at ``files`` and at ``scale_files`` small files."""
+    rows: list[Row] = []
+    for entry, what in (("command", "ingest_submissions --workers 2"), ("drain", "drain")):
+        base: float | None = None
+        for count in (files, scale_files):
+            variant = Variant(f"scale {count:,}", count, 0)
+            say(f"scale: {what} at {count:,} files")
+            runs = [ingest(db, tmp, variant, 2, entry) for _ in range(repeat)]
+            elapsed = statistics.median(r[0] for r in runs)
+            wall = statistics.median(r[1] for r in runs)
+            row = Row(variant.name, what, count, elapsed, note=f"wall {wall:.1f} s", base=base)
+            rows.append(row)
+            base = base or row.files_per_s
+    return rows
 
 
 def measure(db: Database, tmp: Path, variants: list[Variant], repeat: int, say: Any) -> list[Row]:
@@ -266,13 +315,25 @@ def measure(db: Database, tmp: Path, variants: list[Variant], repeat: int, say: 
 
 def render(rows: list[Row], headers: list[str]) -> str:
     table = [
-        ["variant", "measurement", "files", "seconds", "files/s", "facts/s", "x bound", "note"]
+        [
+            "variant",
+            "measurement",
+            "files",
+            "seconds",
+            "files/s",
+            "facts/s",
+            "x bound",
+            "x at N",
+            "note",
+        ]
     ]
     for r in rows:
-        ratio = r.ratio
+        ratio, scale = r.ratio, r.scale
         target = ""
         if ratio is not None and r.variant == "small" and r.what.endswith("2"):
             target = f"  target {TARGET_RATIO:.0%}: {'OK' if ratio >= TARGET_RATIO else 'MISSED'}"
+        if scale is not None:
+            target = f"  target {SCALE_TARGET:.0%}: {'OK' if scale >= SCALE_TARGET else 'MISSED'}"
         table.append(
             [
                 r.variant,
@@ -282,16 +343,21 @@ def render(rows: list[Row], headers: list[str]) -> str:
                 f"{r.files_per_s:,.0f}",
                 f"{r.facts_per_s:,.0f}",
                 "" if ratio is None else f"{ratio:.2f}",
+                "" if scale is None else f"{scale:.2f}",
                 r.note + target,
             ]
         )
-    return format_table(table, headers, numeric={2, 3, 4, 5, 6})
+    return format_table(table, headers, numeric={2, 3, 4, 5, 6, 7})
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--files", type=int, help="small submissions (default 5000)")
     parser.add_argument("--big-files", type=int, help="submissions with 1 MiB excerpts (200)")
+    parser.add_argument(
+        "--scale-files", type=int, help=f"the scale rows' large spool (default {SCALE_FILES:,})"
+    )
+    parser.add_argument("--no-scale", action="store_true", help="skip the scale rows")
     parser.add_argument("--repeat", type=int, help="runs per row, median reported (default 3)")
     parser.add_argument("--quick", action="store_true", help="a smoke run: fewer files, once")
     parser.add_argument("--keep", action="store_true", help="keep the scratch database and dir")
@@ -313,6 +379,9 @@ def main(argv: list[str] | None = None) -> int:
         with postgres_database(args.keep) as db:
             manage(db, tmp, "migrate", "--noinput", "-v0")
             rows = measure(db, tmp, variants, repeat, say)
+            if not args.no_scale:
+                scale_files = args.scale_files or (2000 if quick else SCALE_FILES)
+                rows += measure_scale(db, tmp, variants[0].files, scale_files, repeat, say)
             described = f"postgres: {db.version} ({db.notes})"
     finally:
         if args.keep:
@@ -325,7 +394,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{os.getloadavg()[0]:.2f} after; took {time.perf_counter() - started:.0f} s",
         described,
         "Ingester rows: the command's own elapsed_s (children started to spool empty); "
-        "x bound = files/s over the faster bound's files/s for the same facts.",
+        "x bound = files/s over the faster bound's files/s for the same facts; "
+        "x at N = files/s over the same entry point's files/s at N files.",
     ]
     print(render(rows, headers))
     return 0

@@ -208,6 +208,10 @@ HOLDFAST_RECLAIM_SECONDS = env_number("HOLDFAST_RECLAIM_SECONDS", 5)
 # running ingester takes files within seconds. 0 turns the check off.
 HOLDFAST_SPOOL_STUCK_SECONDS = env_number("HOLDFAST_SPOOL_STUCK_SECONDS", 300)
 HOLDFAST_SPOOL_DIR = Path(os.environ.get("HOLDFAST_SPOOL_DIR", VAR_DIR / "spool"))
+# A malformed spool file is quarantined only once unchanged this long (docs/ingestion.md).
+HOLDFAST_SPOOL_SETTLE_SECONDS = env_number("HOLDFAST_SPOOL_SETTLE_SECONDS", 2)
+# A spool batch holds at most this many bytes of submissions (besides 500 files, 20,000 facts).
+HOLDFAST_SPOOL_MAX_BATCH_BYTES = int(env_number("HOLDFAST_SPOOL_MAX_BATCH_BYTES", 32 * 1024 * 1024))
 # PostgreSQL role granted exactly the spool ingester's privileges by a migration (unset: none).
 HOLDFAST_INGESTER_DB_ROLE = os.environ.get("HOLDFAST_INGESTER_DB_ROLE", "").strip()
 HOLDFAST_BLOB_DIR = Path(os.environ.get("HOLDFAST_BLOB_DIR", VAR_DIR / "blobs"))

@@ -6,26 +6,24 @@
           ▲                             │                       │
           └──────────── outcomes (applied, quarantined, retry, gone) ◄──┘
 
-* The **monitor** scans ``incoming/`` (every ``scan_seconds`` while files are in
-  flight, at every poll otherwise), hands each new name to the readers once, in lists of
-  up to :data:`HANDOUT_FILES`, and watches: the writer's exit code (a crashed writer
-  stops the run, exit 1), the stuck rule (work pending, nothing applied or quarantined
-  for ``stuck_after`` seconds: the children are killed, every file stays, exit 1) and
-  the grace rule (a file waiting longer than ``grace`` seconds: the same, so an operator
-  is alerted rather than data silently aging). It never touches the database.
-* **Readers** read, hash, parse and validate files and store log excerpts in the blob
-  store (:func:`ingestion.spool.read_entry`), and pass the entries of each list on as
-  one message; no database.
-* The **writer** is :class:`ingestion.spool.Writer`: batches flushed by size and by time,
-  one transaction each, retried with backoff on database errors.
+It is the pipeline of :mod:`ingestion.spool` with its stages in processes; the rules are
+all there, once. Here:
 
-Operators see progress (:func:`progress_for`): one self-rewriting line on a terminal
-(:class:`ProgressLine`), ``ingest_progress`` log events otherwise (:class:`ProgressEvents`).
+* The **monitor** (:class:`ingestion.spool.Monitor`) lists ``incoming/``, hands names to
+  the readers in lists of up to :data:`HANDOUT_FILES` (at most a bounded number in
+  flight), counts each file's outcome, and applies the stuck rule (work pending, nothing
+  applied or quarantined for ``stuck_after`` seconds: the children are killed, every file
+  stays, exit 1) and the grace rule, on time whatever the children are doing. It never
+  touches the database.
+* **Readers** run :func:`ingestion.spool.read_outcome` and send the entries on in lists
+  of at most :data:`HANDOUT_FILES` files and :data:`HANDOUT_BYTES` bytes; no database.
+* The **writer** is :class:`ingestion.spool.Writer`; it reports each file's outcome.
 
-The last-terminal time is one shared ``multiprocessing.Value("d")`` (monotonic clock,
-which is system-wide on Linux), updated under the counter lock on each apply commit and
-each quarantine. Processes are forked: the monitor closes its database connections first,
-and starts no threads.
+Children ignore SIGTERM and SIGINT: a stop sent to the whole process group (systemd's
+default, Ctrl-C) reaches the monitor, which tells the readers to stop and the writer to
+commit what it holds, waits for them (still watching the stuck rule) and exits 0.
+Processes are forked: the monitor closes its database connections first, and starts no
+threads of its own.
 """
 
 from __future__ import annotations
@@ -33,6 +31,8 @@ from __future__ import annotations
 import contextlib
 import math
 import multiprocessing
+import os
+import pickle
 import queue
 import signal
 import sys
@@ -40,8 +40,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from multiprocessing.context import ForkContext
-from multiprocessing.sharedctypes import Synchronized
+from multiprocessing.synchronize import Event
 from types import FrameType
 from typing import Any, Protocol
 
@@ -50,21 +49,21 @@ from django.db import connections
 from jobs.log import get_logger
 
 from .spool import (
-    APPLIED,
     DEFAULT_GRACE_SECONDS,
-    DUPLICATE,
-    QUARANTINED,
-    READ_RETRY_SECONDS,
-    TERMINAL,
+    DEFAULT_MAX_BATCH_FACTS,
+    DEFAULT_MAX_BATCH_FILES,
     Entry,
-    Overdue,
+    Monitor,
+    Rate,
     Spool,
-    Stuck,
     Writer,
-    read_entry,
-    stuck_check,
+    open_dir,
+    read_outcome,
+    settle_seconds,
 )
-from .submissions import Limits
+from .submissions import MIB, Limits
+
+__all__ = ["Options", "ProgressEvents", "ProgressLine", "Rate", "progress_for", "run"]
 
 log = get_logger("ingestion.ingester")
 
@@ -72,15 +71,18 @@ log = get_logger("ingestion.ingester")
 #: files: one queue message (a lock, a pickle, a pipe write) per file was most of the
 #: hand-off's cost (docs/benchmarks.md).
 HANDOUT_FILES = 16
+#: ... and a reader's list of entries holds at most about this many bytes of files, so a
+#: message of large submissions stays small (memory stays bounded).
+HANDOUT_BYTES = 4 * MIB
 
 #: The writer commits what it holds once no entry has arrived for this long: readers
 #: that keep up send a list every few milliseconds, so a pause means the spool is drained
 #: (for now) and waiting for the batch timer would only delay the last commit.
 IDLE_SECONDS = 0.05
 
-RETRY = "retry"  # a reader could not read the file (not its fault): try again later
-GONE = "gone"  # the file disappeared before it was read
 ERROR = "error"  # the writer's last database error (name is empty)
+
+Outcome = tuple[str, str, str, float]  # (name, outcome, detail, delay)
 
 
 @dataclass(frozen=True)
@@ -90,43 +92,13 @@ class Options:
     stuck_after: float = 60.0
     poll_seconds: float = 0.1
     scan_seconds: float = 1.0  # while files are in flight, list incoming/ this often
-    max_files: int = 500
-    max_facts: int = 20_000
+    max_files: int = DEFAULT_MAX_BATCH_FILES
+    max_facts: int = DEFAULT_MAX_BATCH_FACTS
+    max_bytes: int | None = None  # default: HOLDFAST_SPOOL_MAX_BATCH_BYTES
     flush_seconds: float = 0.25
     grace: float = DEFAULT_GRACE_SECONDS  # 0: no grace check
+    settle: float | None = None  # default: HOLDFAST_SPOOL_SETTLE_SECONDS
     log_batches: bool = True  # False: each batch's event at debug (a progress line shows it)
-
-
-class Shared:
-    """What the processes share: counters and the last-terminal time, under one lock."""
-
-    def __init__(self, ctx: ForkContext) -> None:
-        self.lock = ctx.Lock()
-        self.applied: Synchronized[int] = ctx.Value("q", 0, lock=False)
-        self.duplicates: Synchronized[int] = ctx.Value("q", 0, lock=False)
-        self.quarantined: Synchronized[int] = ctx.Value("q", 0, lock=False)
-        self.last_terminal: Synchronized[float] = ctx.Value("d", time.monotonic(), lock=False)
-
-    def terminal(self, outcome: str) -> None:
-        if outcome not in TERMINAL:
-            return
-        with self.lock:
-            if outcome == APPLIED:
-                self.applied.value += 1
-            elif outcome == DUPLICATE:
-                self.duplicates.value += 1
-            elif outcome == QUARANTINED:
-                self.quarantined.value += 1
-            self.last_terminal.value = time.monotonic()
-
-    def snapshot(self) -> dict[str, Any]:
-        with self.lock:
-            return {
-                "applied": self.applied.value,
-                "duplicates": self.duplicates.value,
-                "quarantined": self.quarantined.value,
-                "last_terminal": self.last_terminal.value,
-            }
 
 
 # --- progress for operators -----------------------------------------------------------
@@ -183,20 +155,30 @@ class ProgressLine:
             self.shown = False
 
 
+#: The figures whose change makes a new ``ingest_progress`` event worth logging.
+COUNTED = ("seen", "applied", "duplicates", "quarantined", "pending")
+
+
 class ProgressEvents:
     """``ingest_progress`` log events for logs that are not a terminal: one every
-    ``interval`` seconds while running, and a final summary (``final=True``)."""
+    ``interval`` seconds while running, but only when a count changed since the last one
+    (an idle watcher logs nothing), and a final summary (``final=True``)."""
 
     def __init__(self, interval: float = 10.0, clock: Callable[[], float] = time.monotonic) -> None:
         self.interval = interval
         self.clock = clock
         self.last = clock()
+        self.logged: tuple[Any, ...] | None = None
 
     def update(self, figures: dict[str, Any]) -> None:
         now = self.clock()
         if now - self.last < self.interval:
             return
+        counts = tuple(figures.get(name) for name in COUNTED)
+        if counts == self.logged:
+            return
         self.last = now
+        self.logged = counts
         log.info("ingest_progress", **figures, final=False)
 
     def finish(self, figures: dict[str, Any]) -> None:
@@ -217,29 +199,13 @@ def progress_for(stream: Any, write: Callable[[str], None] | None = None) -> Pro
     return ProgressLine(write or to_stream)
 
 
-class Rate:
-    """Files finished per second over the last ``window`` seconds (a watcher that ran for
-    hours still shows what it does now, not its lifetime average)."""
-
-    def __init__(self, window: float = 5.0) -> None:
-        self.window = window
-        self.samples: deque[tuple[float, int]] = deque()
-
-    def add(self, now: float, done: int) -> float:
-        self.samples.append((now, done))
-        while len(self.samples) > 2 and now - self.samples[1][0] >= self.window:
-            self.samples.popleft()
-        first_at, first_done = self.samples[0]
-        return round((done - first_done) / (now - first_at), 1) if now > first_at else 0.0
-
-
 # --- the processes ---------------------------------------------------------------------
 
 
 def _child_signals() -> None:
-    # Ctrl-C reaches the whole process group: only the monitor decides how to stop.
+    # A stop reaches the whole process group: only the monitor decides how to stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 def handouts(names: list[str], readers: int) -> list[list[str]]:
@@ -249,49 +215,77 @@ def handouts(names: list[str], readers: int) -> list[list[str]]:
     return [names[start : start + size] for start in range(0, len(names), size)]
 
 
+def _put(q: multiprocessing.Queue[Any], item: Any, stop: Event) -> bool:
+    """Put ``item`` unless asked to stop meanwhile (a full queue never blocks a stop)."""
+    while not stop.is_set():
+        try:
+            q.put(item, timeout=0.2)
+            return True
+        except queue.Full:
+            continue
+    return False
+
+
 def _reader_main(
     spool: Spool,
     limits: Limits,
+    settle: float,
     names: multiprocessing.Queue[list[str] | None],
-    entries: multiprocessing.Queue[list[Entry] | None],
-    outcomes: multiprocessing.Queue[tuple[str, str, str]],
+    entries: multiprocessing.Queue[list[bytes]],
+    outcomes: multiprocessing.Queue[list[Outcome]],
+    stop: Event,
 ) -> None:
     _child_signals()
-    while True:
-        chunk = names.get()
-        if chunk is None:
-            return
-        found: list[Entry] = []
-        for name in chunk:
+    directory = open_dir(spool.incoming)
+    try:
+        while not stop.is_set():
             try:
-                entry = read_entry(spool, name, limits)
-            except OSError as exc:
-                log.warning("submission_unreadable", file=name, error=str(exc))
-                outcomes.put((name, RETRY, str(exc)))
+                chunk = names.get(timeout=0.2)
+            except queue.Empty:
                 continue
-            if entry is None:
-                outcomes.put((name, GONE, ""))
-            else:
-                found.append(entry)
-        if found:
-            entries.put(found)
+            if chunk is None:
+                return
+            found: list[bytes] = []
+            size = 0
+            reports: list[Outcome] = []
+            for name in chunk:
+                if stop.is_set():
+                    return
+                entry, outcome, detail, delay = read_outcome(spool, name, limits, directory, settle)
+                if entry is None:
+                    reports.append((name, outcome, detail, delay))
+                    continue
+                found.append(pickle.dumps(entry, protocol=pickle.HIGHEST_PROTOCOL))
+                size += entry.size
+                if size >= HANDOUT_BYTES:
+                    if not _put(entries, found, stop):
+                        return
+                    found, size = [], 0
+            if reports:
+                outcomes.put(reports)
+            if found and not _put(entries, found, stop):
+                return
+    finally:
+        if stop.is_set():  # what is still queued stays unread: never wait to flush it
+            entries.cancel_join_thread()
+        os.close(directory)
 
 
 def _writer_main(
     spool: Spool,
     options: Options,
-    entries: multiprocessing.Queue[list[Entry] | None],
-    outcomes: multiprocessing.Queue[tuple[str, str, str]],
-    shared: Shared,
+    entries: multiprocessing.Queue[list[bytes]],
+    outcomes: multiprocessing.Queue[list[Outcome]],
+    stop: Event,
 ) -> None:
     _child_signals()
+    reports: list[Outcome] = []
 
-    def report(name: str, outcome: str) -> None:
-        shared.terminal(outcome)
-        outcomes.put((name, outcome, ""))
+    def report(name: str, outcome: str, detail: str = "", delay: float = 0.0) -> None:
+        reports.append((name, outcome, detail, delay))
 
     def report_error(message: str) -> None:
-        outcomes.put(("", ERROR, message))
+        reports.append(("", ERROR, message, 0.0))
 
     writer = Writer(
         spool,
@@ -299,29 +293,40 @@ def _writer_main(
         report_error=report_error,
         max_files=options.max_files,
         max_facts=options.max_facts,
+        max_bytes=options.max_bytes,
         flush_seconds=options.flush_seconds,
         log_batches=options.log_batches,
     )
-    stopping = False
+    held: deque[Entry] = deque()  # received, not yet in a batch (it did not fit)
     try:
-        while not (stopping and not writer.buffer):
+        while True:
+            stopping = stop.is_set()
+            if stopping and not writer.buffer:
+                return
             idle = False
-            if not stopping and not writer.full:
-                timeout = IDLE_SECONDS if writer.buffer else 0.5
-                try:
-                    found = entries.get(timeout=timeout)
-                except queue.Empty:
-                    found, idle = [], True
-                if found is None:
-                    stopping = True
-                else:
-                    for entry in found:
-                        writer.add(entry)
-            if writer.due(idle=idle or stopping):
+            if not stopping:
+                while held and writer.accepting and writer.room(held[0].size):
+                    writer.add(held.popleft())
+                if not held and writer.accepting:
+                    timeout = IDLE_SECONDS if writer.buffer else 0.2
+                    try:
+                        found = entries.get(timeout=timeout)
+                    except queue.Empty:
+                        idle = True
+                    else:
+                        held.extend(pickle.loads(payload) for payload in found)
+                        while held and writer.accepting and writer.room(held[0].size):
+                            writer.add(held.popleft())
+            if writer.due(idle=idle or stopping or bool(held)):
                 writer.flush()
-            elif writer.buffer and (writer.full or stopping):  # wait for the backoff
-                time.sleep(min(writer.wait_seconds(), 0.5))
+            elif writer.buffer and not writer.accepting:  # wait for the backoff
+                time.sleep(min(writer.wait_seconds(), 0.2))
+            if reports:
+                outcomes.put(list(reports))
+                reports.clear()
     finally:
+        if reports:
+            outcomes.put(list(reports))
         connections.close_all()
 
 
@@ -344,23 +349,30 @@ def run(
     file left in place. ``progress`` (default :class:`ProgressEvents`) gets the figures
     at every poll and once at the end, whatever the outcome."""
     limits = limits or Limits.from_settings()
+    settle = settle_seconds() if options.settle is None else options.settle
     progress = progress or ProgressEvents()
     spool.ensure()
+    monitor = Monitor(
+        spool,
+        stuck_after=options.stuck_after,
+        grace=options.grace,
+        scan_seconds=options.scan_seconds,
+    )
     ctx = multiprocessing.get_context("fork")
     names: multiprocessing.Queue[list[str] | None] = ctx.Queue()
     # Bounded: a slow writer holds the readers back instead of filling memory.
-    entries: multiprocessing.Queue[list[Entry] | None] = ctx.Queue(
-        maxsize=max(4, 2 * options.workers)
-    )
-    outcomes: multiprocessing.Queue[tuple[str, str, str]] = ctx.Queue()
-    shared = Shared(ctx)
+    entries: multiprocessing.Queue[list[bytes]] = ctx.Queue(maxsize=max(4, 2 * options.workers))
+    outcomes: multiprocessing.Queue[list[Outcome]] = ctx.Queue()
+    stop_children = ctx.Event()
+    # Names handed out and not finished: enough to fill the writer's batches, no more.
+    budget = 2 * options.max_files + 4 * HANDOUT_FILES * options.workers
 
     connections.close_all()  # the children must not share the monitor's connections
     for stream in (sys.stdout, sys.stderr):
         stream.flush()
     writer = ctx.Process(
         target=_writer_main,
-        args=(spool, options, entries, outcomes, shared),
+        args=(spool, options, entries, outcomes, stop_children),
         name="spool-writer",
         daemon=True,
     )
@@ -368,7 +380,7 @@ def run(
     readers = [
         ctx.Process(
             target=_reader_main,
-            args=(spool, limits, names, entries, outcomes),
+            args=(spool, limits, settle, names, entries, outcomes, stop_children),
             name=f"spool-reader-{i}",
             daemon=True,
         )
@@ -386,113 +398,66 @@ def run(
 
     stop = _Stop()
     previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
-    started = time.monotonic()
-    in_flight: set[str] = set()
-    retry_at: dict[str, float] = {}
-    seen: set[str] = set()
-    pending_since: float | None = None
-    last_error = ""
-    pending: set[str] = set()  # in incoming/ at the last scan and not finished since
-    scanned_at = -float("inf")
-    rate = Rate()
 
-    def figures() -> dict[str, Any]:
-        snap = shared.snapshot()
-        now = time.monotonic()
-        elapsed = max(now - started, 1e-9)
-        done = snap["applied"] + snap["duplicates"] + snap["quarantined"]
-        return {
-            "seen": len(seen),
-            "applied": snap["applied"],
-            "duplicates": snap["duplicates"],
-            "quarantined": snap["quarantined"],
-            "pending": len(pending),
-            "elapsed_s": round(elapsed, 3),
-            "files_per_s": round(done / elapsed, 1),
-            "rate_files_per_s": rate.add(now, done),
-        }
+    def collect() -> None:
+        while True:
+            try:
+                found = outcomes.get_nowait()
+            except queue.Empty:
+                return
+            for name, outcome, detail, delay in found:
+                if outcome == ERROR:
+                    monitor.error(detail)
+                else:
+                    monitor.outcome(name, outcome, detail, delay)
+
+    def children_alive() -> None:
+        if writer.exitcode is not None:
+            raise RuntimeError(f"the spool writer exited with code {writer.exitcode}")
+        for reader in readers:
+            if reader.exitcode is not None:
+                raise RuntimeError(f"a spool reader exited with code {reader.exitcode}")
 
     try:
         while True:
-            while True:
-                try:
-                    name, outcome, detail = outcomes.get_nowait()
-                except queue.Empty:
-                    break
-                if outcome == ERROR:
-                    last_error = detail
-                    continue
-                in_flight.discard(name)
-                if outcome in TERMINAL or outcome == GONE:
-                    pending.discard(name)
-                if outcome == RETRY:
-                    last_error = f"cannot read {name}: {detail}"
-                    retry_at[name] = time.monotonic() + READ_RETRY_SECONDS
-            if writer.exitcode is not None:
-                raise RuntimeError(f"the spool writer exited with code {writer.exitcode}")
-            for reader in readers:
-                if reader.exitcode is not None:
-                    raise RuntimeError(f"a spool reader exited with code {reader.exitcode}")
-
+            collect()
+            children_alive()
             now = time.monotonic()
-            # Listing a large incoming/ costs a stat per file: while handed-out work is in
-            # flight, look for new files only every scan_seconds.
-            if not in_flight or now - scanned_at >= options.scan_seconds:
-                scanned_at = now
-                listed = spool.pending()
-                overdue = spool.overdue(listed, options.grace)
-                if overdue:
-                    raise Overdue(overdue)
-                pending = set(listed)
-                ready = [n for n in listed if n not in in_flight and retry_at.get(n, 0.0) <= now]
-                for chunk in handouts(ready, options.workers):
-                    in_flight.update(chunk)
-                    seen.update(chunk)
+            if monitor.scan_due(now):
+                monitor.scan(now)
+            room = budget - monitor.in_flight
+            if room > 0:
+                for chunk in handouts(monitor.take(room, now), options.workers):
                     names.put(chunk)
-            pending_since = (pending_since or now) if pending else None
-            reason = stuck_check(
-                len(pending), shared.snapshot()["last_terminal"], pending_since, options.stuck_after
-            )
-            if reason:
-                if last_error:
-                    reason += f"; last error: {last_error}"
-                log.error("spool_stuck", **figures(), reason=reason)
-                raise Stuck(reason)
-            progress.update(figures())
-            if stop.signal or (options.once and not pending):
+            monitor.check(now)
+            progress.update(monitor.figures())
+            if stop.signal:
                 break
+            if options.once and monitor.drained:
+                monitor.scan()
+                if monitor.drained:
+                    break
             time.sleep(options.poll_seconds)
 
-        # Done (or asked to stop): let the readers finish and the writer flush its buffer.
-        if stop.signal:  # names not yet read stay for the next run
-            with contextlib.suppress(queue.Empty):
-                while True:
-                    names.get_nowait()
-        for _ in readers:
+        # Done (or asked to stop): the readers stop, the writer commits what it holds.
+        stop_children.set()
+        for _ in readers:  # wake them now rather than at their next poll
             names.put(None)
-        for reader in readers:
-            reader.join()
-        entries.put(None)
-        while writer.exitcode is None:
+        with contextlib.suppress(queue.Full):
+            entries.put_nowait([])
+        while writer.is_alive() or any(reader.is_alive() for reader in readers):
             writer.join(timeout=options.poll_seconds)
-            pending = set(spool.pending())
-            progress.update(figures())
-            reason = stuck_check(
-                len(pending),
-                shared.snapshot()["last_terminal"],
-                pending_since or time.monotonic(),
-                options.stuck_after,
-            )
-            if reason:
-                raise Stuck(reason)
+            collect()
+            monitor.check()
+            progress.update(monitor.figures())
+        collect()
         if writer.exitcode != 0:
             raise RuntimeError(f"the spool writer exited with code {writer.exitcode}")
-        pending = set(spool.pending())
-        result = figures()
+        result = monitor.figures()
         log.info("spool_ingester_stopped", **result, signal=stop.signal)
         return result
     finally:
-        progress.finish(figures())
+        progress.finish(monitor.figures())
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         for proc in [writer, *readers]:

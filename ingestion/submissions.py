@@ -2,26 +2,44 @@
 
 :func:`parse` turns a file's raw bytes into a :class:`Submission` or raises
 :class:`InvalidSubmission`, the error of the submission itself: retrying cannot help, so
-the file is quarantined. Nothing here touches the database or the file system.
+the file is quarantined. Nothing here touches the database or the file system, so
+**every** exception raised while decoding, parsing or validating the bytes is the
+submission's own (``OverflowError``, ``RecursionError``, anything: it is a function of the
+bytes alone), except ``MemoryError``, which is the host's.
 
 The checks, in order, each naming its ``stage`` in the error:
 
 * ``limits``: the file is larger than ``max_file_bytes`` (checked before parsing);
-* ``json``: not UTF-8 JSON, or numbers JSON cannot round-trip (NaN, infinities);
-* ``schema``: the JSON Schema below (validated with ``jsonschema``);
-* ``limits``: more facts than ``max_facts``, an excerpt over ``max_excerpt_bytes``;
-* ``semantic``: ``submitted_at`` is not an ISO 8601 time with an offset; a string holds a
-  NUL character or a lone surrogate (no database can store those, so retrying the insert
-  could never succeed); one (entity, key) appears twice in the same submission.
+* ``json``: not UTF-8 JSON; NaN or infinities; a non-integer number longer than
+  ``max_number_chars`` or outside a double's finite range; an integer of more than
+  4,300 digits;
+* ``schema``: the JSON Schema below (validated with ``jsonschema``); every error is kept
+  (the first :data:`MAX_ERRORS` of them, and their count);
+* ``limits``: more facts than ``max_facts``, an excerpt over ``max_excerpt_bytes``,
+  nesting deeper than ``max_depth``, an attribute name over ``max_key_chars``, a string
+  value over ``max_string_bytes``;
+* ``semantic``: ``submitted_at`` is not an ISO 8601 time with an offset, or is outside
+  :data:`EARLIEST` .. :data:`LATEST`; a string holds a NUL character or a lone surrogate
+  (no database can store those, so retrying the insert could never succeed); one (entity,
+  key) appears twice in the same submission.
+
+The limits sit below what either database refuses (PostgreSQL: jsonb nesting ~12,000,
+numeric digits, 1 GB values; SQLite: JSON nesting 2,000 before 3.45, 1,000 after), so a
+valid submission is one both databases store. Numbers are kept exactly: a number a
+double cannot hold exactly (``12345678901234567890.5``) is carried as a ``Decimal`` and
+written with all its digits (:func:`encode`); PostgreSQL's jsonb (numeric) and SQLite's
+JSON text both keep them.
 """
 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from decimal import Decimal
 from typing import Any
 
 from django.conf import settings
@@ -99,6 +117,24 @@ def conforms(document: Any) -> bool:
     return True
 
 
+#: Defaults of the limits (docs/ingestion.md, "Limits").
+DEFAULT_MAX_DEPTH = 64
+DEFAULT_MAX_KEY_CHARS = 1000
+DEFAULT_MAX_STRING_BYTES = MIB
+DEFAULT_MAX_NUMBER_CHARS = 100
+
+#: A quarantine reason keeps this many validation errors (and the count of all of them).
+MAX_ERRORS = 50
+#: Counting stops here (the reason then says "at least").
+MAX_COUNTED_ERRORS = 10_000
+#: Each kept error message is cut to this many characters.
+MAX_ERROR_CHARS = 500
+
+#: ``submitted_at`` must fall in this range (after conversion to UTC).
+EARLIEST = datetime(1970, 1, 1, tzinfo=UTC)
+LATEST = datetime(9999, 12, 30, tzinfo=UTC)
+
+
 @dataclass(frozen=True)
 class Limits:
     """Size limits; each one exceeded is a reason to quarantine the submission."""
@@ -106,30 +142,55 @@ class Limits:
     max_file_bytes: int = 4 * MIB
     max_facts: int = 10_000
     max_excerpt_bytes: int = MIB
+    max_depth: int = DEFAULT_MAX_DEPTH
+    max_key_chars: int = DEFAULT_MAX_KEY_CHARS
+    max_string_bytes: int = DEFAULT_MAX_STRING_BYTES
+    max_number_chars: int = DEFAULT_MAX_NUMBER_CHARS
 
     @classmethod
     def from_settings(cls) -> Limits:
+        def setting(name: str, default: int) -> int:
+            return int(getattr(settings, name, default))
+
         return cls(
-            max_file_bytes=int(getattr(settings, "HOLDFAST_SPOOL_MAX_FILE_BYTES", 4 * MIB)),
-            max_facts=int(getattr(settings, "HOLDFAST_SPOOL_MAX_FACTS", 10_000)),
-            max_excerpt_bytes=int(getattr(settings, "HOLDFAST_SPOOL_MAX_EXCERPT_BYTES", MIB)),
+            max_file_bytes=setting("HOLDFAST_SPOOL_MAX_FILE_BYTES", 4 * MIB),
+            max_facts=setting("HOLDFAST_SPOOL_MAX_FACTS", 10_000),
+            max_excerpt_bytes=setting("HOLDFAST_SPOOL_MAX_EXCERPT_BYTES", MIB),
+            max_depth=setting("HOLDFAST_SPOOL_MAX_DEPTH", DEFAULT_MAX_DEPTH),
+            max_key_chars=setting("HOLDFAST_SPOOL_MAX_KEY_CHARS", DEFAULT_MAX_KEY_CHARS),
+            max_string_bytes=setting("HOLDFAST_SPOOL_MAX_STRING_BYTES", DEFAULT_MAX_STRING_BYTES),
+            max_number_chars=setting("HOLDFAST_SPOOL_MAX_NUMBER_CHARS", DEFAULT_MAX_NUMBER_CHARS),
         )
 
 
 class InvalidSubmission(Exception):
-    """The submission itself is wrong (``stage``: limits, json, schema or semantic)."""
+    """The submission itself is wrong (``stage``: limits, json, schema, semantic, parse).
 
-    def __init__(self, stage: str, message: str) -> None:
+    ``message`` is one line; ``errors`` every error found (at most :data:`MAX_ERRORS`),
+    ``error_count`` how many there were in all (schema errors can be many).
+    """
+
+    def __init__(
+        self,
+        stage: str,
+        message: str,
+        errors: list[str] | None = None,
+        error_count: int | None = None,
+    ) -> None:
         super().__init__(f"{stage}: {message}")
         self.stage = stage
         self.message = message
+        self.errors = errors if errors is not None else [message]
+        self.error_count = error_count if error_count is not None else len(self.errors)
 
 
 @dataclass(frozen=True)
 class FactRow:
+    """One fact, its attributes already encoded as JSON text (all digits kept)."""
+
     entity: str
     key: str
-    attributes: dict[str, Any]
+    attributes: str
 
 
 @dataclass
@@ -142,21 +203,69 @@ class Submission:
     facts: list[FactRow]
     excerpt: bytes | None = None
     excerpt_hash: str = ""
+    size: int = field(default=0)  # bytes of the file
 
 
 def digest(raw: bytes) -> str:
     return hashlib.sha256(raw).hexdigest()
 
 
-def _finite(text: str) -> float:
-    value = float(text)
-    if not math.isfinite(value):
-        raise ValueError(f"number {text} is out of range")
-    return value
+class _NumberError(ValueError):
+    pass
+
+
+def _float_hook(limit: int) -> Any:
+    """``parse_float`` for ``json.loads``: bounded, and exact.
+
+    A number whose shortest float repr is the same number as its text stays a float
+    (written back the same); any other (more digits than a double holds) becomes a
+    ``Decimal``, which keeps every digit. Integers are exact as Python ints (Python refuses
+    more than 4,300 digits: invalid JSON).
+    """
+
+    def parse_float(text: str) -> float | Decimal:
+        if len(text) > limit:
+            raise _NumberError(f"number {text[:20]}... is longer than {limit} characters")
+        value = float(text)
+        if not math.isfinite(value):
+            raise _NumberError(f"number {text} is out of range")
+        shortest = repr(value)
+        if shortest == text or Decimal(shortest) == Decimal(text):
+            return value
+        return Decimal(text)
+
+    return parse_float
 
 
 def _no_constants(name: str) -> Any:
-    raise ValueError(f"{name} is not valid JSON")
+    raise _NumberError(f"{name} is not valid JSON")
+
+
+_ENCODER = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+
+
+def encode(value: Any) -> str:
+    """JSON text of ``value`` (parsed by :func:`parse`), every number with all its digits."""
+    try:
+        return _ENCODER.encode(value)
+    except TypeError:  # a Decimal inside: the exact, slower encoder
+        return _encode_exact(value)
+
+
+def _encode_exact(value: Any) -> str:
+    if isinstance(value, Decimal):
+        return str(value)
+    if isinstance(value, dict):
+        return (
+            "{"
+            + ",".join(
+                f"{json.dumps(k, ensure_ascii=False)}:{_encode_exact(v)}" for k, v in value.items()
+            )
+            + "}"
+        )
+    if isinstance(value, list):
+        return "[" + ",".join(_encode_exact(v) for v in value) + "]"
+    return json.dumps(value, ensure_ascii=False, allow_nan=False)
 
 
 def _check_strings(value: Any, where: str = "$") -> None:
@@ -185,6 +294,58 @@ def _check_strings(value: Any, where: str = "$") -> None:
                 ) from None
 
 
+def _check_shape(document: dict[str, Any], raw: bytes, limits: Limits) -> None:
+    """Depth, attribute names and string sizes, below what either database refuses.
+
+    Each check runs only when the bytes do not already prove it holds: nesting needs at
+    least ``max_depth`` brackets, a name longer than ``max_key_chars`` a longer file, and a
+    string over ``max_string_bytes`` a larger file (an escape is never shorter in JSON than
+    in UTF-8).
+    """
+    depth = raw.count(b"{") + raw.count(b"[") >= limits.max_depth
+    strings = len(raw) > limits.max_string_bytes
+    if not (depth or strings or len(raw) > limits.max_key_chars):
+        return
+    stack: list[tuple[Any, int, int]] = [
+        (fact["attributes"], 4, i) for i, fact in enumerate(document["facts"])
+    ]
+    while stack:
+        item, level, fact = stack.pop()
+        if level > limits.max_depth:
+            raise InvalidSubmission(
+                "limits",
+                f"$.facts[{fact}].attributes: nested deeper than the limit of {limits.max_depth}",
+            )
+        if isinstance(item, dict):
+            if item and max(map(len, item)) > limits.max_key_chars:
+                longest = max(map(len, item))
+                raise InvalidSubmission(
+                    "limits",
+                    f"$.facts[{fact}].attributes: an attribute name of {longest} characters, "
+                    f"more than the limit of {limits.max_key_chars}",
+                )
+            values: Any = item.values()
+        else:
+            values = item
+        for value in values:
+            kind = type(value)
+            if kind is dict or kind is list:
+                stack.append((value, level + 1, fact))
+            elif strings and kind is str:
+                _check_string(value, f"$.facts[{fact}].attributes", limits)
+
+
+def _check_string(value: str, path: str, limits: Limits) -> None:
+    if len(value) <= limits.max_string_bytes // 4:  # too short to be too large
+        return
+    size = len(value.encode("utf-8", "surrogatepass"))
+    if size > limits.max_string_bytes:
+        raise InvalidSubmission(
+            "limits",
+            f"{path}: a string of {size} bytes, more than the limit of {limits.max_string_bytes}",
+        )
+
+
 def parse_time(text: str) -> datetime:
     try:
         moment = datetime.fromisoformat(text)
@@ -196,36 +357,79 @@ def parse_time(text: str) -> datetime:
         raise InvalidSubmission(
             "semantic", f"submitted_at {text!r} has no UTC offset (add Z or +hh:mm)"
         )
-    return moment.astimezone(UTC)
+    outside = InvalidSubmission(
+        "semantic",
+        f"submitted_at {text!r} is outside {EARLIEST:%Y-%m-%d} .. {LATEST:%Y-%m-%d} (UTC)",
+    )
+    try:
+        moment = moment.astimezone(UTC)
+    except (OverflowError, ValueError):  # 0001-01-01T00:00:00+01:00 is before year 1 in UTC
+        raise outside from None
+    if not EARLIEST <= moment <= LATEST:
+        raise outside
+    return moment
+
+
+def _where(path: Any) -> str:
+    return "$" + "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in path)
+
+
+def _schema_errors(document: Any) -> InvalidSubmission | None:
+    if conforms(document):
+        return None
+    found = itertools.islice(_validator.iter_errors(document), MAX_COUNTED_ERRORS + 1)
+    errors = sorted(found, key=lambda e: [str(p) for p in e.absolute_path])
+    if not errors:
+        return None
+    count = len(errors)
+    texts = [
+        f"{_where(error.absolute_path)}: {error.message}"[:MAX_ERROR_CHARS]
+        for error in errors[:MAX_ERRORS]
+    ]
+    more = ""
+    if count > 1:
+        counted = f"at least {MAX_COUNTED_ERRORS}" if count > MAX_COUNTED_ERRORS else str(count)
+        more = f" ({counted} errors in all; the reason lists the first {len(texts)})"
+    return InvalidSubmission(
+        "schema", f"{texts[0]}{more}", texts, min(count, MAX_COUNTED_ERRORS + 1)
+    )
 
 
 def parse(raw: bytes, limits: Limits, hash: str | None = None) -> Submission:
-    """Judge ``raw`` (a whole file); return the submission or raise InvalidSubmission."""
+    """Judge ``raw`` (a whole file); return the submission or raise InvalidSubmission.
+
+    Any exception but ``MemoryError`` is the submission's own: it becomes an
+    InvalidSubmission of stage ``parse`` naming the exception.
+    """
+    try:
+        return _parse(raw, limits, hash)
+    except (InvalidSubmission, MemoryError):
+        raise
+    except Exception as exc:
+        raise InvalidSubmission("parse", f"{type(exc).__name__}: {exc}"[:MAX_ERROR_CHARS]) from None
+
+
+def _parse(raw: bytes, limits: Limits, hash: str | None) -> Submission:
     if len(raw) > limits.max_file_bytes:
         raise InvalidSubmission(
             "limits", f"file is {len(raw)} bytes, more than the limit of {limits.max_file_bytes}"
         )
     try:
         document = json.loads(
-            raw.decode("utf-8"), parse_float=_finite, parse_constant=_no_constants
+            raw.decode("utf-8"),
+            parse_float=_float_hook(limits.max_number_chars),
+            parse_constant=_no_constants,
         )
     except UnicodeDecodeError as exc:
         raise InvalidSubmission("json", f"not UTF-8: {exc}") from None
+    except _NumberError as exc:
+        raise InvalidSubmission("json", str(exc)) from None
     except (ValueError, RecursionError) as exc:
         raise InvalidSubmission("json", f"invalid JSON: {exc}") from None
 
-    errors = (
-        []
-        if conforms(document)
-        else sorted(_validator.iter_errors(document), key=lambda e: list(e.absolute_path))
-    )
-    if errors:
-        first = errors[0]
-        where = "$" + "".join(
-            f"[{p}]" if isinstance(p, int) else f".{p}" for p in first.absolute_path
-        )
-        more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
-        raise InvalidSubmission("schema", f"{where}: {first.message}{more}")
+    invalid = _schema_errors(document)
+    if invalid is not None:
+        raise invalid
 
     facts = document["facts"]
     if len(facts) > limits.max_facts:
@@ -245,6 +449,7 @@ def parse(raw: bytes, limits: Limits, hash: str | None = None) -> Submission:
             f"log_excerpt is {len(excerpt)} bytes, more than the limit of "
             f"{limits.max_excerpt_bytes}",
         )
+    _check_shape(document, raw, limits)
     submitted_at = parse_time(document["submitted_at"])
 
     rows: list[FactRow] = []
@@ -257,11 +462,12 @@ def parse(raw: bytes, limits: Limits, hash: str | None = None) -> Submission:
                 f"$.facts[{index}]: entity {identity[0]!r} key {identity[1]!r} appears twice",
             )
         seen.add(identity)
-        rows.append(FactRow(fact["entity"], fact["key"], fact["attributes"]))
+        rows.append(FactRow(fact["entity"], fact["key"], encode(fact["attributes"])))
     return Submission(
         hash=hash or digest(raw),
         lab=document["lab"],
         submitted_at=submitted_at,
         facts=rows,
         excerpt=excerpt,
+        size=len(raw),
     )

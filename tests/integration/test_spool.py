@@ -47,6 +47,7 @@ def submission(
 @pytest.fixture
 def the_spool(tmp_path: Path, settings: Any) -> Spool:
     settings.HOLDFAST_BLOB_DIR = tmp_path / "blobs"
+    settings.HOLDFAST_SPOOL_SETTLE_SECONDS = 0  # the settle test sets its own
     root = Spool(tmp_path / "spool")
     root.ensure()
     return root
@@ -332,7 +333,9 @@ def test_poison_alone_goes_to_failed_with_a_reason_and_an_issue(
     reason = json.loads((the_spool.failed / f"{case}.json.reason.json").read_text())
     assert reason["stage"] == stage
     assert message in reason["error"], reason
-    assert reason["hash"] == digest
+    # A file over the size limit is judged by its size alone, never read nor hashed.
+    hashed = digest if case != "file-too-large" else None
+    assert reason["hash"] == hashed
     assert reason["file"] == f"{case}.json"
     assert datetime.fromisoformat(reason["quarantined_at"]).tzinfo is not None
     issue = ReconciliationIssue.objects.get()
@@ -341,7 +344,7 @@ def test_poison_alone_goes_to_failed_with_a_reason_and_an_issue(
         f"{case}.json",
         "open",
     )
-    assert issue.details["hash"] == digest
+    assert issue.details["hash"] == (hashed or "")
     assert reason["issue_id"] == issue.pk
     # The rest of its batch applied.
     assert (progress.applied, progress.quarantined) == (2, 1)
@@ -369,7 +372,7 @@ def test_a_second_poison_file_of_the_same_name_keeps_the_first(
 # --- database errors: nothing moves, nothing acked, nothing deleted --------------------
 
 
-def _refuse(entries: list[spool.Entry], using: str) -> spool.BatchResult:
+def _refuse(entries: list[spool.Entry], using: str, *args: Any) -> spool.BatchResult:
     raise OperationalError("server closed the connection unexpectedly")
 
 
@@ -381,7 +384,7 @@ def test_a_database_error_on_flush_leaves_every_file_in_place_until_stuck(
     before = {name: sha(the_spool.incoming / name) for name in incoming(the_spool)}
     calls: list[int] = []
 
-    def refuse(entries: list[spool.Entry], using: str) -> spool.BatchResult:
+    def refuse(entries: list[spool.Entry], using: str, *args: Any) -> spool.BatchResult:
         calls.append(len(entries))
         return _refuse(entries, using)
 
@@ -508,19 +511,35 @@ def test_an_excerpt_of_exactly_the_limit_is_accepted(
 # --- the grace period ----------------------------------------------------------------
 
 
+Later = Callable[[float], None]
+
+
+@pytest.fixture
+def later(monkeypatch: pytest.MonkeyPatch) -> Later:
+    """Move the spool's wall clock ``seconds`` on: every file is that much older. (A file's
+    age counts from its ctime, which no producer can set back: see test_copied_mtime.)"""
+
+    def move(seconds: float) -> None:
+        monkeypatch.setattr(spool, "wall_clock", lambda: time.time() + seconds)
+
+    return move
+
+
 def age(path: Path, seconds: float) -> None:
+    """Set a file's mtime in the past, as cp -p or rsync -a would."""
     past = time.time() - seconds
     os.utime(path, (past, past))
 
 
 def test_a_file_older_than_the_grace_period_alerts_and_stays(
-    db: None, the_spool: Spool, drop: Drop, settings: Any
+    db: None, the_spool: Spool, drop: Drop, settings: Any, later: Later
 ) -> None:
     settings.HOLDFAST_SPOOL_GRACE_SECONDS = 600
-    age(drop("old.json", submission()), 900)
+    drop("old.json", submission())
     drop("new.json", submission(lab="lab-2"))
+    later(900)
     with pytest.raises(
-        Overdue, match=r"incoming/old\.json has waited 9\d\d s.*grace period of 600 s"
+        Overdue, match=r"incoming/\w+\.json has waited 9\d\d s.*grace period of 600 s"
     ):
         drain(the_spool, stuck_after=5)
     assert incoming(the_spool) == ["new.json", "old.json"] and failed(the_spool) == []
@@ -530,13 +549,28 @@ def test_a_file_older_than_the_grace_period_alerts_and_stays(
     assert incoming(the_spool) == []
 
 
-def test_a_file_within_the_grace_period_applies(db: None, the_spool: Spool, drop: Drop) -> None:
-    age(drop("a.json", submission()), 500)
+def test_a_file_within_the_grace_period_applies(
+    db: None, the_spool: Spool, drop: Drop, later: Later
+) -> None:
+    drop("a.json", submission())
+    later(500)
     assert drain(the_spool, stuck_after=5, grace=600).applied == 1
 
 
+def test_a_copied_old_mtime_is_not_an_old_file(
+    db: None, the_spool: Spool, drop: Drop, settings: Any
+) -> None:
+    """cp -p / rsync -a keep the producer's mtime: two hours old, just arrived. The age
+    counts from the arrival (ctime), so it applies and nothing alerts."""
+    settings.HOLDFAST_SPOOL_GRACE_SECONDS = 3600
+    age(drop("copied.json", submission()), 7200)
+    assert the_spool.backlog()["stale"] is False
+    assert (the_spool.age("copied.json") or 0) < 60
+    assert drain(the_spool, stuck_after=5).applied == 1
+
+
 def test_the_backlog_reports_the_oldest_file_and_whether_it_is_past_grace(
-    the_spool: Spool, drop: Drop
+    the_spool: Spool, drop: Drop, later: Later
 ) -> None:
     empty = the_spool.backlog(grace=600)
     assert empty == {
@@ -546,9 +580,11 @@ def test_the_backlog_reports_the_oldest_file_and_whether_it_is_past_grace(
         "grace_s": 600,
         "stale": False,
     }
-    age(drop("a.json", submission()), 100)
-    age(drop("b.json", submission(lab="x")), 700)
+    drop("b.json", submission(lab="x"))
+    time.sleep(0.02)  # a later ctime
+    drop("a.json", submission())
     (the_spool.incoming / ".c.json.partial").write_text("{}")
+    later(700)
     backlog = the_spool.backlog(grace=600)
     assert (backlog["pending"], backlog["oldest_file"], backlog["stale"]) == (2, "b.json", True)
     assert 699 <= backlog["oldest_age_s"] <= 720
@@ -556,7 +592,9 @@ def test_the_backlog_reports_the_oldest_file_and_whether_it_is_past_grace(
     assert the_spool.backlog(grace=0)["stale"] is False, "0: the check is off"
 
 
-def test_queue_status_shows_the_spool_section(db: None, tmp_path: Path, settings: Any) -> None:
+def test_queue_status_shows_the_spool_section(
+    db: None, tmp_path: Path, settings: Any, later: Later
+) -> None:
     from django.core.management import call_command
 
     settings.HOLDFAST_SPOOL_DIR = tmp_path / "spool"
@@ -564,7 +602,7 @@ def test_queue_status_shows_the_spool_section(db: None, tmp_path: Path, settings
     root = Spool.from_settings()
     root.ensure()
     (root.incoming / "late.json").write_text("{}")
-    age(root.incoming / "late.json", 120)
+    later(120)
 
     out = io.StringIO()
     call_command("queue_status", "--json", stdout=out)
