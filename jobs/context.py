@@ -7,20 +7,26 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from django.db import transaction
+from django.db import connection, transaction
 
-from . import engine
+from . import engine, sql
 from .exceptions import Cancelled, LeaseLost
 from .sql import Claimed
+
+SIDE_HEARTBEAT_TIMEOUT = 10.0  # seconds ctx.heartbeat() waits for a renewal on its own
 
 
 class JobContext:
     """What a handler knows about its job, and how it writes under the lease.
 
-    ``ctx.atomic()`` is ``transaction.atomic()`` plus a fence: it first locks the job row
-    iff the job is still ``running`` under this lease token, so anything the block writes
-    commits only while the lease holds (I2). ``ctx.atomic(complete=True, result=...)``
-    also marks the job succeeded in the same transaction (I4).
+    ``ctx.atomic()`` is ``transaction.atomic()`` plus a fence. It checks the lease when
+    it opens (LeaseLost at once if it is gone) and, as the transaction's last statement,
+    updates the job row iff the job is still ``running`` under this lease token, so what
+    the block wrote commits only while the lease holds (I2): a stale block rolls back.
+    ``ctx.atomic(complete=True, result=...)`` marks the job succeeded as that last
+    statement instead (I4). No lock on the job row is held while the block's code runs, so
+    a worker frozen inside it never holds up reclaim, cancel or heartbeats; on PostgreSQL
+    the server also ends its session after one lease idle in the transaction.
     """
 
     Cancelled = Cancelled
@@ -63,17 +69,27 @@ class JobContext:
     @contextmanager
     def atomic(self, complete: bool = False, result: Any = None) -> Iterator[None]:
         """A transaction whose writes commit only while this attempt holds the lease."""
+        with self._fenced(complete, result, fence_at_end=True):
+            yield
+
+    @contextmanager
+    def _fenced(self, complete: bool, result: Any, fence_at_end: bool) -> Iterator[None]:
         if self.completed:
             raise RuntimeError(f"job {self.job_id} already completed in an earlier ctx.atomic()")
+        outermost = not connection.in_atomic_block
         try:
             with transaction.atomic():
-                engine.fence(self.job_id, self.lease_token, self.job.lease_seconds)
+                engine.check_lease(self.job, idle_timeout=outermost)
                 yield
+                # The fence is the block's last statement, so it and the commit serialize
+                # with any reclaim or settle of the job row (see engine.fence).
                 if complete:
                     engine.complete(self.job, result)
                     # Only once it commits: inside a handler's own outer transaction that
                     # later rolls back, the job is not complete and the worker settles it.
                     transaction.on_commit(lambda: self._mark_completed(result))
+                elif fence_at_end:
+                    engine.fence(self.job_id, self.lease_token, self.job.lease_seconds)
         except LeaseLost:
             self.mark_lease_lost()
             raise
@@ -83,15 +99,47 @@ class JobContext:
         self.result = result
 
     def heartbeat(self) -> None:
-        """Renew the lease now (the worker also does this in the background)."""
+        """Renew the lease now (the worker also does this in the background).
+
+        Inside a transaction (``ctx.atomic()``, or the handler's own) on PostgreSQL the
+        renewal runs on a connection of its own: it commits at once and leaves the
+        handler's transaction and its settings alone. (SQLite has one writer at a time, so
+        there it joins the transaction.)
+        """
         try:
-            if engine.heartbeat(self.job):
+            if connection.in_atomic_block and sql.is_postgres():
+                cancel_requested = self._heartbeat_elsewhere()
+            else:
+                cancel_requested = engine.heartbeat(self.job)
+            if cancel_requested:
                 self.mark_cancel_requested()
         except LeaseLost:
             self.mark_lease_lost()
             raise
 
+    def _heartbeat_elsewhere(self) -> bool:
+        outcome: dict[str, Any] = {}
+
+        def renew() -> None:
+            try:
+                outcome["cancel"] = engine.heartbeat(self.job)
+            except BaseException as exc:  # handed to the caller's thread
+                outcome["error"] = exc
+            finally:
+                connection.close()
+
+        side = threading.Thread(target=renew, name="ctx-heartbeat", daemon=True)
+        side.start()
+        side.join(SIDE_HEARTBEAT_TIMEOUT)
+        if side.is_alive() or ("error" in outcome and not isinstance(outcome["error"], LeaseLost)):
+            return False  # not renewed now; the lease keeper renews it in the background
+        if "error" in outcome:
+            raise outcome["error"]
+        return bool(outcome["cancel"])
+
     def progress(self, done: int, total: int | None = None, note: str = "") -> None:
         """Record progress on the job, fenced like every other write."""
-        with self.atomic():
+        # The progress UPDATE is itself guarded by state and lease token and holds the job
+        # row until the commit: it is this block's fence.
+        with self._fenced(False, None, fence_at_end=False):
             engine.record_progress(self.job, done, total, note)
