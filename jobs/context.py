@@ -31,9 +31,12 @@ class JobContext:
 
     Cancelled = Cancelled
 
-    def __init__(self, job: Claimed, worker_id: str) -> None:
+    def __init__(self, job: Claimed, worker_id: str, own_connection: bool = False) -> None:
         self.job = job
         self.worker_id = worker_id
+        # Run by a worker (its rows committed): a heartbeat inside a transaction may use a
+        # connection of its own. Built by hand (tests), it stays on the caller's.
+        self.own_connection = own_connection
         self.completed = False
         self.settling = False  # set by the worker once the handler has returned
         self.result: Any = None
@@ -101,13 +104,14 @@ class JobContext:
     def heartbeat(self) -> None:
         """Renew the lease now (the worker also does this in the background).
 
-        Inside a transaction (``ctx.atomic()``, or the handler's own) on PostgreSQL the
-        renewal runs on a connection of its own: it commits at once and leaves the
-        handler's transaction and its settings alone. (SQLite has one writer at a time, so
-        there it joins the transaction.)
+        Inside a transaction (``ctx.atomic()``, or the handler's own) on PostgreSQL, in a
+        worker, the renewal runs on a connection of its own: it commits at once, holds no
+        lock in the handler's transaction and leaves its settings alone. Otherwise it is
+        the bare fenced statement, in the caller's transaction, which it never changes the
+        settings of. (SQLite has one writer at a time, so there it joins the transaction.)
         """
         try:
-            if connection.in_atomic_block and sql.is_postgres():
+            if self.own_connection and connection.in_atomic_block and sql.is_postgres():
                 cancel_requested = self._heartbeat_elsewhere()
             else:
                 cancel_requested = engine.heartbeat(self.job)

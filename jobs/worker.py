@@ -209,7 +209,7 @@ class WorkerProcess:
 
     def _run(self, job: Claimed) -> Claimed | None:
         """Run ``job``, settle it, and return the next job claimed in that same commit."""
-        ctx = JobContext(job, self.worker_id)
+        ctx = JobContext(job, self.worker_id, own_connection=True)
         with self._current_lock:
             self.current = (job, ctx)
         bound = engine.job_log_context(job, self.worker_id)
