@@ -3,14 +3,17 @@ back from an outage gives back claims it never heard of."""
 
 from __future__ import annotations
 
-import pytest
-from django.db import OperationalError, connection
+import threading
+import time
 
-from jobs import engine
+import pytest
+from django.db import OperationalError, connection, transaction
+
+from jobs import LeaseLost, StateConflict, engine
 from jobs.context import JobContext
 from jobs.models import Job, Lease, Outcome, State
 
-from .helpers import claim_one
+from .helpers import claim_one, expire_lease
 
 
 def settings_now() -> tuple[str, str, str]:
@@ -63,3 +66,53 @@ def test_after_an_outage_a_worker_gives_back_a_claim_it_never_heard_of(run_worke
         Lease.objects.filter(job=job).order_by("lease_token").values_list("lease_token", "outcome")
     )
     assert outcomes == [(1, Outcome.RELEASED), (2, Outcome.SUCCEEDED)]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_cancel_answers_within_seconds_though_a_frozen_transaction_holds_the_job():
+    """A worker froze between its fence and its commit (PostgreSQL: it holds the job row;
+    SQLite: the database's write lock): cancel_job waits a bounded time, then says the
+    job is busy and changes nothing."""
+    engine.enqueue("test.echo")
+    claimed = claim_one()
+    holding, release = threading.Event(), threading.Event()
+
+    def frozen_fence() -> None:
+        try:
+            with transaction.atomic():
+                engine.fence(claimed.id, claimed.lease_token, claimed.lease_seconds)
+                holding.set()
+                release.wait(20)
+        finally:
+            connection.close()
+
+    holder = threading.Thread(target=frozen_fence)
+    holder.start()
+    try:
+        assert holding.wait(5)
+        started = time.monotonic()
+        with pytest.raises(StateConflict, match="locked by an open transaction"):
+            engine.cancel(claimed.id)
+        assert time.monotonic() - started < 5
+    finally:
+        release.set()
+        holder.join()
+    job = Job.objects.get(pk=claimed.id)
+    assert (job.state, job.cancel_requested) == (State.RUNNING, False)
+    assert engine.cancel(claimed.id).cancel_requested  # once the holder is gone
+
+
+@pytest.mark.django_db
+def test_cancel_of_a_running_job_whose_lease_expired_ends_it_at_once():
+    """Its worker died or froze: the cancel ends that attempt as a reclaim would."""
+    engine.enqueue("test.locked", {"resources": ["r"]})
+    claimed = claim_one()
+    expire_lease(claimed.id)
+    job = engine.cancel(claimed.id, actor="tester")
+    assert (job.state, job.cancel_requested) == (State.CANCELLED, True)
+    assert job.last_error == "cancelled by tester after its worker stopped renewing lease 1"
+    assert Lease.objects.get(job=job).outcome == Outcome.LEASE_EXPIRED
+    assert not engine.held_locks().exists()
+    assert [e.event for e in engine.events(job.pk)][-2:] == ["heartbeat_missed", "reclaimed"]
+    with pytest.raises(LeaseLost):
+        engine.complete(claimed)
