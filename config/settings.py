@@ -6,11 +6,14 @@ safe default, so a fresh clone runs on the embedded SQLite database under ``var/
 
 import os
 import secrets
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import dj_database_url
 from django.core.exceptions import ImproperlyConfigured
+
+from jobs import durations
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 VAR_DIR = Path(os.environ.get("HOLDFAST_VAR_DIR", BASE_DIR / "var"))
@@ -36,6 +39,29 @@ def env_number(name: str, default: float) -> float:
     return number
 
 
+def var_dir() -> Path:
+    """``HOLDFAST_VAR_DIR``, created if missing; a path that cannot be a directory is a
+    configuration error (one line, exit 2), not a traceback."""
+    try:
+        VAR_DIR.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ImproperlyConfigured(
+            f"HOLDFAST_VAR_DIR {str(VAR_DIR)!r} is not a usable directory: {exc.strerror or exc}"
+        ) from None
+    return VAR_DIR
+
+
+def env_duration(name: str, default: str) -> timedelta | None:
+    """A duration (``14d``, ``12h``, ``30m``; jobs.durations), or None for ``off``."""
+    value = os.environ.get(name, "").strip() or default
+    if value.lower() == "off":
+        return None
+    try:
+        return durations.parse(value)
+    except ValueError as exc:
+        raise ImproperlyConfigured(f"{name}: {exc}, or off") from None
+
+
 def local_secret_key() -> str:
     """Return the development key kept in ``var/secret_key``, creating it once (mode 0600).
 
@@ -46,12 +72,19 @@ def local_secret_key() -> str:
         return path.read_text().strip()
     except FileNotFoundError:
         pass
-    VAR_DIR.mkdir(parents=True, exist_ok=True)
+    except NotADirectoryError:
+        pass  # var_dir() says why
+    var_dir()
     key = secrets.token_urlsafe(50)
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     except FileExistsError:  # another process won the race; use its key
         return path.read_text().strip()
+    except OSError as exc:
+        raise ImproperlyConfigured(
+            f"cannot write the local secret key {str(path)!r} ({exc.strerror or exc}); "
+            "set DJANGO_SECRET_KEY or make HOLDFAST_VAR_DIR writable"
+        ) from None
     with os.fdopen(fd, "w") as handle:
         handle.write(key)
     return key
@@ -63,6 +96,28 @@ ALLOWED_HOSTS = [
     host.strip()
     for host in os.environ.get("DJANGO_ALLOWED_HOSTS", "localhost,127.0.0.1,testserver").split(",")
     if host.strip()
+]
+
+# Behind a TLS-terminating proxy (docs/deployment.md): the proxy says the original scheme in
+# X-Forwarded-Proto (and must overwrite any the client sent), so request.is_secure() and
+# every absolute URL (the API's pagination links) keep https; plain-http requests are
+# redirected and browsers are told HSTS. Each piece can be set on its own too.
+BEHIND_TLS_PROXY = env_bool("HOLDFAST_BEHIND_TLS_PROXY")
+if BEHIND_TLS_PROXY:
+    SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https")
+SECURE_SSL_REDIRECT = env_bool("DJANGO_SECURE_SSL_REDIRECT", BEHIND_TLS_PROXY)
+SECURE_HSTS_SECONDS = int(
+    env_number("DJANGO_SECURE_HSTS_SECONDS", 31_536_000 if BEHIND_TLS_PROXY else 0)
+)
+SECURE_HSTS_INCLUDE_SUBDOMAINS = env_bool("DJANGO_SECURE_HSTS_INCLUDE_SUBDOMAINS", True)
+SECURE_HSTS_PRELOAD = env_bool("DJANGO_SECURE_HSTS_PRELOAD", BEHIND_TLS_PROXY)
+SESSION_COOKIE_SECURE = CSRF_COOKIE_SECURE = BEHIND_TLS_PROXY or SECURE_SSL_REDIRECT
+# Exempt paths from the https redirect (a regex each, comma-separated), e.g. a load
+# balancer's plain-http probe of health/: "^internal/v1/health/$".
+SECURE_REDIRECT_EXEMPT = [
+    path.strip()
+    for path in os.environ.get("DJANGO_SECURE_REDIRECT_EXEMPT", "").split(",")
+    if path.strip()
 ]
 
 INSTALLED_APPS = [
@@ -79,6 +134,10 @@ INSTALLED_APPS = [
 MIDDLEWARE = [
     "django.middleware.security.SecurityMiddleware",
     "django.middleware.common.CommonMiddleware",
+    # No cookies or forms here (bearer tokens only), but `check --deploy` rightly wants
+    # both: a view added later is protected by default.
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.middleware.clickjacking.XFrameOptionsMiddleware",
 ]
 
 ROOT_URLCONF = "config.urls"
@@ -89,8 +148,7 @@ ASGI_APPLICATION = "config.asgi.application"
 def database_config(variable: str = "DATABASE_URL") -> dict[str, Any]:
     url = os.environ.get(variable, "").strip()
     if not url:
-        VAR_DIR.mkdir(parents=True, exist_ok=True)
-        url = f"sqlite:///{VAR_DIR / 'holdfast.sqlite3'}"
+        url = f"sqlite:///{var_dir() / 'holdfast.sqlite3'}"
     try:
         config: dict[str, Any] = dict(dj_database_url.parse(url))
     except Exception as exc:  # dj-database-url raises several types for bad URLs
@@ -153,6 +211,9 @@ HOLDFAST_SHUTDOWN_GRACE_SECONDS = env_number("HOLDFAST_SHUTDOWN_GRACE_SECONDS", 
 HOLDFAST_LEASE_SECONDS = env_number("HOLDFAST_LEASE_SECONDS", 60)
 HOLDFAST_POLL_SECONDS = env_number("HOLDFAST_POLL_SECONDS", 1)
 HOLDFAST_RECLAIM_SECONDS = env_number("HOLDFAST_RECLAIM_SECONDS", 5)
+# health/ fails (ingester_stuck) when a submission waits in incoming/ longer than this: a
+# running ingester takes files within seconds. 0 turns the check off.
+HOLDFAST_SPOOL_STUCK_SECONDS = env_number("HOLDFAST_SPOOL_STUCK_SECONDS", 300)
 HOLDFAST_SPOOL_DIR = Path(os.environ.get("HOLDFAST_SPOOL_DIR", VAR_DIR / "spool"))
 # PostgreSQL role granted exactly the spool ingester's privileges by a migration (unset: none).
 HOLDFAST_INGESTER_DB_ROLE = os.environ.get("HOLDFAST_INGESTER_DB_ROLE", "").strip()
@@ -160,6 +221,12 @@ HOLDFAST_BLOB_DIR = Path(os.environ.get("HOLDFAST_BLOB_DIR", VAR_DIR / "blobs"))
 HOLDFAST_LANES: dict[str, dict] = {"default": {}}
 # Recurring jobs declared in settings (DESIGN §6); handlers may also declare schedule=.
 HOLDFAST_SCHEDULES: dict[str, dict] = {}
+# Built-in retention (jobs/retention.py, run by every scheduler): finished jobs, with their
+# attempts and events, are deleted this long after they finished; "off" keeps them.
+HOLDFAST_RETAIN_SUCCEEDED = env_duration("HOLDFAST_RETAIN_SUCCEEDED", "14d")
+HOLDFAST_RETAIN_CANCELLED = env_duration("HOLDFAST_RETAIN_CANCELLED", "14d")
+HOLDFAST_RETAIN_DEAD = env_duration("HOLDFAST_RETAIN_DEAD", "90d")
+HOLDFAST_RETENTION_SECONDS = env_number("HOLDFAST_RETENTION_SECONDS", 600)  # between passes
 # How often the built-in refresh job asks each registered refresher for due refreshes.
 HOLDFAST_REFRESH_SECONDS = env_number("HOLDFAST_REFRESH_SECONDS", 300)
 # Polite HTTP for sources and artifacts (ingestion/http.py, docs/sources.md).
@@ -168,6 +235,9 @@ HOLDFAST_USER_AGENT = (
     or "Holdfast/0.1 (+https://github.com/holdfast; ingestion bot)"
 )
 HOLDFAST_FETCH_TIMEOUT_SECONDS = env_number("HOLDFAST_FETCH_TIMEOUT_SECONDS", 20)
+# Total network time of one fetch, robots.txt and redirects included (per-read timeouts
+# above still apply): a server trickling a byte a second is cut off here.
+HOLDFAST_FETCH_DEADLINE_SECONDS = env_number("HOLDFAST_FETCH_DEADLINE_SECONDS", 120)
 HOLDFAST_FETCH_MAX_BYTES = int(env_number("HOLDFAST_FETCH_MAX_BYTES", 10 * 1024 * 1024))
 # Django's Tasks framework runs on Holdfast (docs/django-tasks.md): `@task` functions are
 # enqueued as `django.task` jobs and run by `manage.py runworker`, with leases and retries.
@@ -178,12 +248,37 @@ LOG_FORMAT = os.environ.get("LOG_FORMAT", "").strip().lower() or None
 LOG_LEVEL = os.environ.get("LOG_LEVEL", "INFO").strip().upper() or "INFO"
 if LOG_FORMAT not in (None, "json", "console"):
     raise ImproperlyConfigured(f"LOG_FORMAT must be 'json' or 'console', got {LOG_FORMAT!r}")
+if LOG_LEVEL not in ("DEBUG", "INFO", "WARNING", "WARN", "ERROR", "CRITICAL", "FATAL"):
+    raise ImproperlyConfigured(
+        f"LOG_LEVEL must be DEBUG, INFO, WARNING, ERROR or CRITICAL, got {LOG_LEVEL!r}"
+    )
+# Every standard-library record (django.request: a 500 with its traceback at error, 4xx at
+# warning; django.security; py.warnings; libraries) goes to stderr through structlog's
+# renderer (jobs.log.StdlibFormatter), whatever DEBUG is; structlog's own events go there too.
+_TO_STDERR = {"handlers": ["stderr"], "level": LOG_LEVEL, "propagate": False}
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "formatters": {"structlog": {"()": "jobs.log.StdlibFormatter"}},
+    "handlers": {
+        "stderr": {
+            "class": "logging.StreamHandler",
+            "stream": "ext://sys.stderr",
+            "formatter": "structlog",
+        }
+    },
+    "root": {"handlers": ["stderr"], "level": LOG_LEVEL},
+    "loggers": {
+        name: _TO_STDERR
+        for name in ("django", "django.request", "django.security", "django.server", "py.warnings")
+    },
+}
 
 # The internal API (ops/, docs/api.md): JSON only, bearer tokens only (no session or basic
 # auth, so no CSRF exposure), errors as {"error", "code"} JSON (ops/exceptions.py).
 REST_FRAMEWORK = {
     "DEFAULT_RENDERER_CLASSES": ["rest_framework.renderers.JSONRenderer"],
-    "DEFAULT_PARSER_CLASSES": ["rest_framework.parsers.JSONParser"],
+    "DEFAULT_PARSER_CLASSES": ["ops.parsers.JSONParser"],
     "DEFAULT_AUTHENTICATION_CLASSES": ["ops.authentication.BearerTokenAuthentication"],
     "DEFAULT_PERMISSION_CLASSES": ["ops.authentication.TokenScope"],
     "UNAUTHENTICATED_USER": None,

@@ -9,5 +9,7 @@ urlpatterns: list[URLPattern | URLResolver] = [
     path("internal/v1/", include("ops.urls")),
 ]
 
+handler400 = "ops.exceptions.bad_request"
+handler403 = "ops.exceptions.forbidden"
 handler404 = "ops.exceptions.not_found"
 handler500 = "ops.exceptions.server_error"

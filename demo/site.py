@@ -8,7 +8,7 @@ cycles and watch Holdfast notice. Every request is recorded with its arrival tim
 
     with FixtureSite() as site:
         site.add("/docs/a.html", "A", "first text")
-        add_source("local", "sitemap", site.url("/sitemap.xml"), spacing=0)
+        add_source("local", "sitemap", site.url("/sitemap.xml"), spacing=0, allow_private=True)
         ...
         assert [r.path for r in site.requests] == [...]
 
@@ -33,7 +33,7 @@ import html
 import math
 import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from email.utils import format_datetime, parsedate_to_datetime
@@ -117,6 +117,11 @@ class FixtureSite:
         self.extra_urls: list[str] = []
         self.feed_loops = False
         self.redirects: dict[str, str] = {}
+        # Tests answer a path their own way: the callable writes the whole raw response
+        # (status line, headers, body) to the socket, e.g. a stacked encoding or a trickle.
+        self.raw: dict[str, Callable[[BaseHTTPRequestHandler], None]] = {}
+        # Or with a fixed reply: (status, content type, body[, extra headers]).
+        self.replies: dict[str, tuple[Any, ...]] = {}
         self.requests: list[RecordedRequest] = []
         self.port = port
         self._holds: dict[str, threading.Event] = {}
@@ -334,7 +339,17 @@ class _Handler(BaseHTTPRequestHandler):
         held = site.held(parts.path)
         if held is not None:
             held.wait(HOLD_TIMEOUT)
-        reply = self._route(parts.path, parse_qs(parts.query), headers)
+        custom = site.raw.get(parts.path)
+        if custom is not None:
+            with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+                custom(self)
+            return
+        fixed = site.replies.get(parts.path)
+        if fixed is not None:
+            status, content_type, body, *extra = fixed
+            reply = Reply(status, content_type, body, *(extra or [{}]))
+        else:
+            reply = self._route(parts.path, parse_qs(parts.query), headers)
         # The client may have given up (a timeout, a size cap): nothing more to say then.
         with contextlib.suppress(BrokenPipeError, ConnectionResetError):
             self._send(reply, head)

@@ -9,15 +9,18 @@ good fetch) through the polite client, and its outcome decides everything else:
                        not opens ``content_changed_unannounced``
 304, or the same hash  unchanged: only ``fetched_at`` and ``refresh_after`` move
 404, 410               ``gone``, with a ``gone_at_source`` issue (the job succeeds)
-5xx, 408, 429,         raised, so the engine retries with backoff; the last attempt
-timeouts, connection   gives up as below
-other 4xx, too large,  ``failed``, with a ``permanent_fetch_failure`` issue committed
-robots, redirects      before ``PermanentError`` sends the job to ``dead``
+5xx, 408, 429,         raised, so the engine retries with backoff; on the last attempt
+timeouts, connection   the document is kept (body, index entry), the next try is put
+                       off with a backoff and ``fetch_failing`` opens; the job succeeds
+other 4xx, too large,  never fetched: ``failed``; with a good body: kept, retried with
+robots, redirects      the backoff. A ``permanent_fetch_failure`` issue is committed
+                       before ``PermanentError`` sends the job to ``dead``
 =====================  ==============================================================
 
-Every artifact write happens in the job's fenced ``ctx.atomic()``, so a stale attempt
-never lands one. A good fetch resolves the artifact's ``gone_at_source`` and
-``permanent_fetch_failure`` issues by itself. Fetches of one artifact never overlap: the
+Only a 404/410 takes a document out of search. Every artifact write happens in the
+job's fenced ``ctx.atomic()``, so a stale attempt never lands one. A good fetch resolves
+the artifact's ``gone_at_source``, ``fetch_failing`` and ``permanent_fetch_failure``
+issues by itself. Fetches of one artifact never overlap: the
 handler holds the resource lock ``artifact:<id>``, and every way in (discovery, the
 refresher, ``force_refresh``) enqueues with the unique key ``fetch:<id>``.
 """
@@ -50,6 +53,7 @@ from .models import (
     IssueStatus,
     ReconciliationIssue,
     Source,
+    SourceKind,
 )
 from .reconciliation import record, record_unless_open, resolve_cleared
 from .search import INDEX_ARTIFACT, unindex
@@ -57,7 +61,10 @@ from .search import INDEX_ARTIFACT, unindex
 log = get_logger("ingestion.artifacts")
 
 FETCH_KIND = "ingestion.fetch_artifact"
-REFRESH_BATCH = 100
+REFRESH_BATCH = 100  # the least one refresher run enqueues when that many are due
+REFRESH_MAX_BATCH = 20_000  # the most: 66/s at the default 300 s, far above 5M / 28 days
+FAILURE_BACKOFF_BASE = timedelta(hours=1)
+FAILURE_BACKOFF_MAX = timedelta(days=1)
 REFRESH_RETRY = timedelta(days=1)  # when a refresh the refresher enqueued is due again
 GONE_STATUSES = frozenset({404, 410})
 RETRY_STATUSES = frozenset({408, 429})  # 4xx that say "later", not "never"
@@ -94,7 +101,7 @@ def fetch(ctx: JobContext, artifact_id: int) -> dict[str, Any]:
         response = http.get(artifact.source, artifact.url, headers=conditional_headers(artifact))
     except http.FetchError as exc:
         if exc.transient:
-            retry_later(ctx, artifact, exc)
+            return retry_later(ctx, artifact, exc)
         fail(ctx, artifact, f"{type(exc).__name__}: {exc}", error=type(exc).__name__)
     status = response.status
     if status == 304 and artifact.sha256:
@@ -104,7 +111,7 @@ def fetch(ctx: JobContext, artifact_id: int) -> dict[str, Any]:
     if status in GONE_STATUSES:
         return gone(ctx, artifact, response)
     if status >= 500 or status in RETRY_STATUSES:
-        retry_later(
+        return retry_later(
             ctx,
             artifact,
             RetryableStatus(f"{artifact.url} answered HTTP {status}"),
@@ -115,26 +122,64 @@ def fetch(ctx: JobContext, artifact_id: int) -> dict[str, Any]:
 
 def retry_later(
     ctx: JobContext, artifact: Artifact, error: Exception, http_status: int | None = None
-) -> NoReturn:
-    """Raise ``error`` so the engine retries; on the last attempt, give up for good.
+) -> dict[str, Any]:
+    """Raise ``error`` so the engine retries; on the last attempt, put the fetch off.
 
-    Giving up marks the artifact failed with an issue, like a permanent error: left as it
-    was, a due artifact would be enqueued again by the next refresher run, and its dead
-    jobs would pile up for as long as the source is down.
+    A transient failure never costs a document: once the job's retries run out (about
+    ten minutes of errors), the last good body and its index entry stay, the next try is
+    pushed back (:func:`failure_backoff`), and a ``fetch_failing`` issue says so until a
+    fetch succeeds again, which resolves it. The job itself succeeds: its outcome is
+    recorded, and dead jobs would only pile up for as long as the site is down.
     """
     reason = f"{type(error).__name__}: {error}"
     if ctx.attempt >= ctx.max_attempts:
-        fail(
-            ctx,
-            artifact,
-            f"gave up after attempt {ctx.attempt} of {ctx.max_attempts}: {reason}",
-            http_status=http_status,
-            error=type(error).__name__,
-        )
+        return failing(ctx, artifact, reason, http_status)
     with ctx.atomic():
         Artifact.objects.filter(pk=artifact.pk).update(last_error=reason[:10_000])
     log.info("artifact_fetch_retry", artifact_id=artifact.pk, attempt=ctx.attempt, error=reason)
     raise error
+
+
+def failure_backoff(failures: int) -> timedelta:
+    """How long after its ``failures``-th failing fetch in a row an artifact is tried again:
+    an hour, doubling each time, at most :data:`FAILURE_BACKOFF_MAX`."""
+    return min(FAILURE_BACKOFF_BASE * 2 ** min(max(failures - 1, 0), 16), FAILURE_BACKOFF_MAX)
+
+
+def failing(
+    ctx: JobContext, artifact: Artifact, reason: str, http_status: int | None
+) -> dict[str, Any]:
+    """The fetch's retries ran out on transient errors: keep everything, try again later."""
+    result = outcome(artifact, "failing", http_status or 0, reason=reason)
+    with ctx.atomic(complete=True, result=result):
+        current = locked(artifact.pk)
+        failures = current.failures + 1
+        retry_at = db_now() + failure_backoff(failures)
+        Artifact.objects.filter(pk=current.pk).update(
+            failures=failures, refresh_after=retry_at, last_error=reason[:10_000]
+        )
+        record_unless_open(
+            IssueKind.FETCH_FAILING,
+            current.url,
+            current.source.name,
+            issue_details(
+                ctx,
+                current,
+                http_status=http_status,
+                reason=reason,
+                attempts=ctx.attempt,
+                kept_sha256=current.sha256 or None,
+            ),
+        )
+        result.update(failures=failures, retry_at=timestamp(retry_at))
+    log.warning(
+        "artifact_fetch_failing",
+        artifact_id=artifact.pk,
+        source=artifact.source.name,
+        failures=failures,
+        reason=reason,
+    )
+    return result
 
 
 def conditional_headers(artifact: Artifact) -> dict[str, str]:
@@ -158,8 +203,10 @@ def stored(ctx: JobContext, artifact: Artifact, response: http.Response) -> dict
     result = outcome(artifact, "stored", response.status, sha256=digest, previous=previous)
     with ctx.atomic(complete=True, result=result):
         current = locked(artifact.pk)
+        announced_before = lastmod_of(current.fetched_lastmod)
         mark_fetched(
             ctx,
+            artifact,
             current,
             response,
             sha256=digest,
@@ -167,9 +214,11 @@ def stored(ctx: JobContext, artifact: Artifact, response: http.Response) -> dict
             **validators(response),
         )
         enqueue_index(current.pk, digest)
-        unannounced = (
-            bool(previous and current.lastmod) and current.lastmod == current.fetched_lastmod
-        )
+        # Unannounced only if the listing showed the same known lastmod at the last fetch,
+        # when this fetch began, and now: a lastmod that moved while the fetch was in
+        # flight announced a change, even if this body predates it.
+        listed = {lastmod_of(artifact.lastmod), lastmod_of(current.lastmod)}
+        unannounced = bool(previous and announced_before) and listed == {announced_before}
         if unannounced:
             record_unless_open(
                 IssueKind.CONTENT_CHANGED_UNANNOUNCED,
@@ -198,32 +247,51 @@ def unchanged(
     result = outcome(artifact, "unchanged", response.status, sha256=artifact.sha256)
     with ctx.atomic(complete=True, result=result):
         current = locked(artifact.pk)
-        mark_fetched(ctx, current, response, **fresh)
-        if current.state != ArtifactState.FETCHED:  # back from gone or failed: unindexed then
-            enqueue_index(current.pk, current.sha256)
+        mark_fetched(ctx, artifact, current, response, **fresh)
+        if current.state != ArtifactState.FETCHED or current.indexed_sha256 != current.sha256:
+            enqueue_index(current.pk, current.sha256)  # back from gone, or never indexed
     log.info("artifact_unchanged", **result, source=artifact.source.name)
     return result
 
 
-def mark_fetched(ctx: JobContext, current: Artifact, response: http.Response, **body: Any) -> None:
+def mark_fetched(
+    ctx: JobContext, started: Artifact, current: Artifact, response: http.Response, **body: Any
+) -> None:
     """Record a good fetch of ``current`` (locked): the clock, the listed lastmod, issues.
 
-    ``fetched_lastmod`` keeps the ``lastmod`` the listing showed at this fetch: the next
-    fetch compares it with the listing again to tell announced changes from silent ones.
+    ``fetched_lastmod`` keeps the ``lastmod`` the listing showed when this fetch *began*
+    (``started`` was read then): that is the one this body belongs to. If discovery listed
+    a newer one while the request was in flight, the body may predate it, so the artifact
+    is due again at once rather than in ``refresh_days``.
     """
     now = db_now()
+    moved = lastmod_of(current.lastmod) != lastmod_of(started.lastmod)
     Artifact.objects.filter(pk=current.pk).update(
         state=ArtifactState.FETCHED,
         http_status=response.status,
-        fetched_lastmod=current.lastmod,
+        fetched_lastmod=started.lastmod,
         fetched_at=now,
-        refresh_after=now + timedelta(days=current.source.refresh_days),
+        refresh_after=now if moved else now + timedelta(days=current.source.refresh_days),
         last_error="",
+        failures=0,
         **body,
     )
+    if moved:
+        log.info(
+            "artifact_lastmod_moved_in_flight", artifact_id=current.pk, lastmod=current.lastmod
+        )
     condition = f"fetched again with HTTP {response.status} by job {ctx.job_id}"
-    for kind in (IssueKind.GONE_AT_SOURCE, IssueKind.PERMANENT_FETCH_FAILURE):
+    for kind in (
+        IssueKind.GONE_AT_SOURCE,
+        IssueKind.PERMANENT_FETCH_FAILURE,
+        IssueKind.FETCH_FAILING,
+    ):
         resolve_cleared(kind, current.source.name, [current.url], condition)
+
+
+def lastmod_of(value: str) -> str:
+    """A listed lastmod in its canonical form, "" when unknown (see discovery.lastmod)."""
+    return discovery.normalize_lastmod(value)
 
 
 def validators(response: http.Response) -> dict[str, str]:
@@ -269,19 +337,31 @@ def fail(
     http_status: int | None = None,
     **extra: Any,
 ) -> NoReturn:
-    """Retrying cannot help: mark the artifact failed and open an issue, then go ``dead``.
+    """Retrying cannot help: open an issue, then go ``dead``.
 
-    The issue commits in its own fenced transaction before ``PermanentError`` is raised,
-    so the operator sees why the job died even though the job itself fails.
+    An artifact never fetched becomes ``failed`` (discovery fetches it again while its
+    source lists it). One with a good body keeps it, and its index entry: only a 404/410
+    says a document is gone. It stays ``fetched`` and is tried again with the failure
+    backoff. The issue commits in its own fenced transaction before ``PermanentError`` is
+    raised, so the operator sees why the job died even though the job itself fails.
     """
     with ctx.atomic():
-        Artifact.objects.filter(pk=artifact.pk).update(
-            state=ArtifactState.FAILED,
-            http_status=http_status,
-            refresh_after=None,
-            last_error=reason[:10_000],
-        )
-        unindex(artifact.pk)
+        current = locked(artifact.pk)
+        if current.state == ArtifactState.FETCHED and current.sha256:
+            failures = current.failures + 1
+            Artifact.objects.filter(pk=artifact.pk).update(
+                failures=failures,
+                refresh_after=db_now() + failure_backoff(failures),
+                last_error=reason[:10_000],
+            )
+        else:
+            Artifact.objects.filter(pk=artifact.pk).update(
+                state=ArtifactState.FAILED,
+                http_status=http_status,
+                refresh_after=None,
+                last_error=reason[:10_000],
+            )
+            unindex(artifact.pk)
         record_unless_open(
             IssueKind.PERMANENT_FETCH_FAILURE,
             artifact.url,
@@ -346,45 +426,57 @@ def fetch_jobs(ids: list[int]) -> list[Job]:
 
 @refresher("artifacts", batch=REFRESH_BATCH)
 def refresh_due(limit: int) -> int:
-    """Enqueue refreshes for at most ``limit`` fetched artifacts past ``refresh_after``.
+    """Enqueue refreshes for the artifacts past ``refresh_after``: the whole due backlog,
+    at least ``limit`` and at most :data:`REFRESH_MAX_BATCH`, oldest first.
 
-    Those already queued are skipped, so each call takes the next batch of the backlog.
+    The batch follows the backlog, so five million artifacts on a 28-day TTL (about two
+    due a second, 620 per 300 s run) stay current; a fixed batch of 100 would fall behind
+    for good past ~800,000. Work goes in transactions of :data:`IDS_PER_QUERY`.
+    Those already queued are skipped, so each call takes the next part of the backlog.
     Each one enqueued is also due again only ``REFRESH_RETRY`` from now, in the same
     transaction: a good fetch then sets the real date, and a fetch that dies in a way
-    nobody foresaw (leaving the artifact ``fetched``) cannot put the same artifacts at
-    the head of every later batch and starve the rest.
+    nobody foresaw cannot put the same artifacts at the head of every later batch.
     """
-    with transaction.atomic():
-        ids = enqueue_fetches(stale().order_by("refresh_after", "pk"), limit)
-        retry = db_now() + REFRESH_RETRY
-        for start in range(0, len(ids), IDS_PER_QUERY):
-            chunk = ids[start : start + IDS_PER_QUERY]
-            Artifact.objects.filter(pk__in=chunk).update(refresh_after=retry)
-    return len(ids)
+    wanted = min(max(limit, stale().count()), REFRESH_MAX_BATCH)
+    enqueued = 0
+    while enqueued < wanted:
+        with transaction.atomic():
+            step = min(IDS_PER_QUERY, wanted - enqueued)
+            ids = enqueue_fetches(stale().order_by("refresh_after", "pk"), step)
+            retry = db_now() + REFRESH_RETRY
+            Artifact.objects.filter(pk__in=ids).update(refresh_after=retry)
+        enqueued += len(ids)
+        if len(ids) < step:
+            break
+    return enqueued
 
 
 def stale() -> QuerySet[Artifact]:
-    """Fetched artifacts past their ``refresh_after`` (database clock), of enabled sources.
+    """Artifacts past their ``refresh_after`` (database clock), of enabled sources: fetched
+    ones due for their TTL refresh, and any whose failing fetch's backoff has passed.
 
     A disabled source's artifacts wait: their fetches would only be skipped, and as the
     oldest due they would fill every batch, so no other source's would be refreshed.
     """
-    return Artifact.objects.filter(
-        state=ArtifactState.FETCHED, refresh_after__lte=Now(), source__enabled=True
+    return Artifact.objects.filter(refresh_after__lte=Now(), source__enabled=True).exclude(
+        state=ArtifactState.GONE
     )
 
 
 # --- discovery hooks -------------------------------------------------------------------
 
 
-def fetch_discovered(source: Source, new_ids: list[int], changed_ids: list[int]) -> None:
-    """New items and items whose listed ``lastmod`` changed get a fetch.
+def fetch_discovered(
+    source: Source, new_ids: list[int], changed_ids: list[int], retry_ids: list[int]
+) -> None:
+    """New items, items whose listed ``lastmod`` changed, and failed items still listed
+    (``retry_ids``: a permanent failure, or fetches that kept failing) get a fetch.
 
     Runs inside the discovery page's transaction, so the jobs exist iff the page commits.
     A changed ``lastmod`` also clears ``content_changed_unannounced``: the source now
     announces what it changed.
     """
-    fetch_jobs([*new_ids, *changed_ids])
+    fetch_jobs([*new_ids, *changed_ids, *retry_ids])
     for start in range(0, len(changed_ids), IDS_PER_QUERY):
         urls = Artifact.objects.filter(pk__in=changed_ids[start : start + IDS_PER_QUERY])
         resolve_cleared(
@@ -395,13 +487,30 @@ def fetch_discovered(source: Source, new_ids: list[int], changed_ids: list[int])
         )
 
 
+def missing_is_meaningful(run: DiscoveryRun) -> str:
+    """Why this completed run may not conclude that unlisted items are missing ("" if it may).
+
+    A run that gave up on a listing page (a 404 child sitemap, one that kept failing, a
+    truncated one) did not see everything. A feed is a window: items scroll off it as new
+    ones arrive, so only a complete feed (RFC 5005 ``fh:complete``) or one read through
+    its archives (``prev-archive``) lists everything the source has.
+    """
+    if run.failed_pages:
+        return f"{run.failed_pages} listing page(s) could not be read"
+    if run.source.kind == SourceKind.FEED and not run.exhaustive:
+        return "a rolling feed lists a window, not everything"
+    return ""
+
+
 def reconcile_run(run: DiscoveryRun) -> None:
     """After a completed run: what it did not list is missing; what it listed is back.
 
     Runs inside the run's final transaction. Each missing artifact gets one open
     ``missing_from_source`` issue however many runs miss it; artifacts seen again resolve
-    theirs. Gone artifacts the source still lists are fetched again, which is how a page
-    that comes back clears its ``gone_at_source`` issue.
+    theirs. Nothing is concluded missing from a run that did not see the whole source
+    (:func:`missing_is_meaningful`): those items stay as they are, refreshed on their TTL,
+    and only a 404/410 then says one is gone. Gone artifacts the source still lists are
+    fetched again, which is how a page that comes back clears its ``gone_at_source`` issue.
     """
     source = run.source
     seen = Artifact.objects.filter(source=source, last_seen_run=run)
@@ -411,7 +520,10 @@ def reconcile_run(run: DiscoveryRun) -> None:
         seen.values("url"),
         f"listed again by discovery run {run.pk}",
     )
-    for artifact in not_listed(run):
+    partial = missing_is_meaningful(run)
+    if partial:
+        log.info("discovery_run_not_conclusive", run_id=run.pk, source=source.name, why=partial)
+    for artifact in [] if partial else not_listed(run):
         record(
             IssueKind.MISSING_FROM_SOURCE,
             artifact.url,
@@ -488,4 +600,5 @@ def artifact_dict(artifact: Artifact) -> dict[str, Any]:
         "fetched_at": timestamp(artifact.fetched_at),
         "refresh_after": timestamp(artifact.refresh_after),
         "last_error": artifact.last_error or None,
+        "failures": artifact.failures,
     }

@@ -1,14 +1,30 @@
 """Discovery: reading a source's listings (sitemaps, feeds) into artifacts, in bounded jobs.
 
-A discovery *run* walks a cursor of listing pages: it starts at the source's URL; a
-sitemap index adds its child sitemaps, a feed page adds its RFC 5005 ``next`` page. The
-run keeps the pages it has read (``visited``) and never reads one twice, so feeds or
-sitemap indexes that point back at each other end instead of looping. Each job reads at
-most ``max_pages_per_run`` pages. Every page commits in one fenced transaction
-(``ctx.atomic()``): the artifacts it lists (upserted on source and URL), the run's cursor
-without that page, and, on a job's last page, either the continuation job (unique key
-per run and job) or the run's completion. A crash therefore repeats at most
+A discovery *run* walks its listing pages: it starts at the source's URL; a sitemap index
+(or robots.txt) adds its sitemaps, a feed page its RFC 5005 ``next`` and ``prev-archive``
+pages. Pages are rows (:class:`~ingestion.models.DiscoveryPage`), unique per run and URL,
+so a page is read once per run however often it is named (loops end), and reading one
+writes one row, not the whole cursor: an index of 50,000 sitemaps is linear work. Each
+job reads at most ``max_pages_per_run`` pages. Every page commits in one fenced
+transaction (``ctx.atomic()``): the artifacts it lists (upserted on source and URL), its
+own row, the pages it names, and, on a job's last page, either the continuation job
+(unique key per run and job) or the run's completion. A crash therefore repeats at most
 the one page in flight, and repeating it changes nothing.
+
+A page that cannot be read never stops the run:
+
+* a defect of the page itself (404/410 or another 4xx, malformed beyond recovery, an
+  encoding it does not have, refused XML) marks it ``failed`` at once, with one
+  ``listing_failed`` issue on the source;
+* a transient failure (timeouts, 5xx, 429) puts the page at the back of the cursor; the
+  others are read meanwhile, and once only retried pages are left the job ends with a
+  continuation delayed by a backoff. After :data:`PAGE_TRIES` tries it is ``failed`` too;
+* a page recovered in part (the URLs before a truncation) is read, and counted failed.
+
+A run that failed any page completes all the same, but it did not see the whole source,
+so nothing is concluded missing from it (``artifacts.missing_is_meaningful``). A run
+whose every page failed is ``failed``. A later run that reads a page cleanly resolves its
+``listing_failed`` issue.
 
 What happens to discovered items is not decided here: the artifact side registers
 callables in :data:`items_discovered` and :data:`run_completed`, which run inside those
@@ -17,19 +33,12 @@ same transactions (so a job they enqueue exists iff the page commits).
 
 from __future__ import annotations
 
-import zlib
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
-from datetime import datetime
-from typing import Any, NoReturn
-from urllib.parse import urldefrag, urljoin, urlsplit
-from xml.etree.ElementTree import Element, ParseError
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
 
-import feedparser
-from defusedxml import DefusedXmlException
-from defusedxml.ElementTree import fromstring
-from django.conf import settings
 from django.db import transaction
 from django.db.models import F, QuerySet
 
@@ -40,148 +49,41 @@ from jobs.log import get_logger
 from jobs.models import Job, State
 
 from . import http
-from .models import Artifact, DiscoveryRun, RunState, Source
+from .listings import Item, Listing, ListingError, normalize_lastmod, parse_listing
+from .models import (
+    Artifact,
+    ArtifactState,
+    DiscoveryPage,
+    DiscoveryRun,
+    IssueKind,
+    PageState,
+    RunState,
+    Source,
+)
+from .reconciliation import record_unless_open, resolve_cleared
 from .sources import DISCOVER_KIND, SourceNotFound, get_source
+
+__all__ = ["Item", "Listing", "ListingError", "normalize_lastmod", "parse_listing"]
 
 log = get_logger("ingestion.discovery")
 
-MAX_RUN_PAGES = 10_000  # a run reading more listing pages than this is stuck in a loop
+# A sitemap index lists up to 50,000 sitemaps, and robots.txt may name several indexes:
+# a run reading more listing pages than this is a generator of endless distinct URLs.
+MAX_RUN_PAGES = 200_000
 BATCH = 500  # rows per query when upserting a page's items
-LASTMOD_LENGTH = 64
-URL_LENGTH = 2000
 MALFORMED_LOGGED = 10  # a page's malformed URLs named in its log event; all are counted
 SCHEDULED_KEY_PREFIX = "schedule:"  # the unique keys of the jobs jobs.scheduler enqueues
+PAGE_TRIES = 3  # transient failures of one listing page before the run gives up on it
+PAGE_RETRY_DELAY = timedelta(seconds=30)  # doubled per try of the page at the cursor's head
+RETRY_STATUSES = frozenset({408, 429})
 
 # --- hooks -------------------------------------------------------------------------------
 
-#: ``hook(source, new_artifact_ids, changed_artifact_ids)``, inside the transaction of each
-#: page that listed new or changed items.
-items_discovered: list[Callable[[Source, list[int], list[int]], None]] = []
+#: ``hook(source, new_ids, changed_ids, retry_ids)``, inside the transaction of each page
+#: that listed new or changed items, or failed items to try again.
+items_discovered: list[Callable[[Source, list[int], list[int], list[int]], None]] = []
 #: ``hook(run)``, inside the transaction that completes the run.
 run_completed: list[Callable[[DiscoveryRun], None]] = []
-
-
-# --- parsing -----------------------------------------------------------------------------
-
-
-class ListingError(HoldfastError, ValueError):
-    """A listing page that is not a sitemap or feed Holdfast can read."""
-
-
-@dataclass(frozen=True)
-class Item:
-    """One document a listing names."""
-
-    url: str
-    lastmod: str = ""
-    title: str = ""
-
-
-@dataclass(frozen=True)
-class Listing:
-    items: list[Item]
-    pages: list[str]  # further listing pages it points to (child sitemaps, next feed page)
-    malformed: list[str] = field(default_factory=list)  # URLs that do not parse; skipped
-
-
-def parse_listing(body: bytes, url: str) -> Listing:
-    """Read a sitemap index, a sitemap, an Atom or an RSS feed (by its root element).
-
-    XML is parsed with defusedxml first: entity declarations and external references are
-    refused, so a listing cannot expand into gigabytes or read local files. Gzipped
-    sitemaps are inflated up to ``HOLDFAST_FETCH_MAX_BYTES``.
-    """
-    body = _inflated(body, url)
-    try:
-        root = fromstring(body, forbid_dtd=False, forbid_entities=True, forbid_external=True)
-    except DefusedXmlException as exc:
-        raise ListingError(f"{url}: refused XML ({type(exc).__name__})") from None
-    except ParseError as exc:
-        raise ListingError(f"{url}: not well-formed XML ({exc})") from None
-    tag = _local(root.tag)
-    malformed: list[str] = []
-    if tag == "sitemapindex":
-        pages = [loc for loc, _ in _sitemap_entries(root, "sitemap", url, malformed)]
-        return Listing([], pages, malformed)
-    if tag == "urlset":
-        entries = _sitemap_entries(root, "url", url, malformed)
-        return Listing([Item(loc, lastmod) for loc, lastmod in entries], [], malformed)
-    if tag in ("feed", "rss", "RDF"):
-        return _feed(body, url)
-    raise ListingError(f"{url}: <{tag}> is neither a sitemap nor an RSS/Atom feed")
-
-
-def _inflated(body: bytes, url: str) -> bytes:
-    if not body.startswith(b"\x1f\x8b"):
-        return body
-    cap = settings.HOLDFAST_FETCH_MAX_BYTES
-    try:
-        inflated = zlib.decompressobj(16 + zlib.MAX_WBITS).decompress(body, cap + 1)
-    except zlib.error as exc:
-        raise ListingError(f"{url}: broken gzip data ({exc})") from None
-    if len(inflated) > cap:
-        raise ListingError(f"{url}: inflates to more than {cap} bytes")
-    return inflated
-
-
-def _local(tag: str) -> str:
-    return tag.rsplit("}", 1)[-1]
-
-
-def _child_text(element: Element, name: str) -> str:
-    for child in element:
-        if _local(child.tag) == name:
-            return (child.text or "").strip()
-    return ""
-
-
-def _sitemap_entries(
-    root: Element, name: str, base: str, malformed: list[str]
-) -> Iterator[tuple[str, str]]:
-    for element in root:
-        if _local(element.tag) != name:
-            continue
-        loc = _absolute(base, _child_text(element, "loc"), malformed)
-        if loc:
-            yield loc, _child_text(element, "lastmod")[:LASTMOD_LENGTH]
-
-
-def _feed(body: bytes, url: str) -> Listing:
-    parsed = feedparser.parse(body, response_headers={"content-location": url})
-    malformed: list[str] = []
-    items = []
-    for entry in parsed.entries:
-        link = _absolute(url, entry.get("link", ""), malformed)
-        if not link:
-            continue
-        # feedparser maps a missing ``updated`` to ``published`` with a warning: ask first.
-        lastmod = entry["updated"] if "updated" in entry else entry.get("published", "")
-        items.append(Item(link, (lastmod or "")[:LASTMOD_LENGTH], entry.get("title", "")))
-    pages = [
-        _absolute(url, link.get("href", ""), malformed)
-        for link in parsed.feed.get("links", [])
-        if link.get("rel") == "next"
-    ]
-    return Listing(items, [page for page in pages if page], malformed)
-
-
-def _absolute(base: str, url: str, malformed: list[str]) -> str:
-    """An absolute http(s) URL without fragment, or "" for anything else.
-
-    A URL that does not even parse (``http://[::1/x``: urllib raises ``ValueError``) is
-    added to ``malformed`` and skipped: one bad entry must not stop the page, or the run.
-    """
-    if not url:
-        return ""
-    try:
-        absolute = urldefrag(urljoin(base, url.strip())).url
-        parts = urlsplit(absolute)
-    except ValueError:
-        malformed.append(url.strip()[:URL_LENGTH])
-        return ""
-    if parts.scheme not in ("http", "https") or not parts.hostname or len(absolute) > URL_LENGTH:
-        return ""
-    return absolute
 
 
 # --- starting a run on demand ------------------------------------------------------------
@@ -231,7 +133,15 @@ def _already(source: Source, busy: Job) -> str:
 
 
 class _Superseded(Exception):
-    """The run's cursor moved under this job: another job is working on the run."""
+    """The run moved under this job: another job is working on it."""
+
+
+@dataclass(frozen=True)
+class _Failure:
+    """Why a page could not be read; ``transient`` when a later try may work."""
+
+    error: str
+    transient: bool
 
 
 def discover(ctx: JobContext, source_name: str, run_id: int | None) -> dict[str, Any]:
@@ -247,35 +157,91 @@ def discover(ctx: JobContext, source_name: str, run_id: int | None) -> dict[str,
     if isinstance(run, str):
         log.info("discovery_skipped", source=source_name, reason=run)
         return {"skipped": run}
-    result: dict[str, Any] = {"run": run.pk, "pages": 0, "new": 0, "changed": 0, "malformed": 0}
+    result: dict[str, Any] = {
+        "run": run.pk,
+        "pages": 0,
+        "new": 0,
+        "changed": 0,
+        "malformed": 0,
+        "failed_pages": 0,
+    }
     while True:
-        cursor = list(run.cursor)
+        page = _head(run.pk)
         try:
-            with _last_attempt_fails_run(ctx, source, run, cursor[0]):
-                run, last = _read_page(ctx, source, run, cursor, result)
+            if page is None:  # nothing pending: a run resumed after its last page failed
+                with ctx.atomic(complete=True, result=result):
+                    current = _locked_run(run.pk)
+                    _finish(source, current, result)
+                    current.save()
+                return result
+            with _last_attempt_fails_run(ctx, source, run, page.url):
+                done = _read_page(ctx, source, run.pk, page, result)
         except _Superseded:
             log.warning("discovery_superseded", source=source.name, run_id=run.pk)
             return {**result, "superseded": True}
-        if last:
+        if done:
             return result
         if ctx.cancel_requested:
             raise ctx.Cancelled()
 
 
+def _pending(run_id: int) -> QuerySet[DiscoveryPage]:
+    return DiscoveryPage.objects.filter(run_id=run_id, state=PageState.PENDING).order_by("pk")
+
+
+def _head(run_id: int, after: int | None = None) -> DiscoveryPage | None:
+    """The next page to read: the oldest pending row (a retried page was moved back)."""
+    pending = _pending(run_id)
+    return (pending if after is None else pending.exclude(pk=after)).first()
+
+
+def _locked_run(run_id: int) -> DiscoveryRun:
+    return DiscoveryRun.objects.select_for_update().select_related("source").get(pk=run_id)
+
+
 def _read_page(
-    ctx: JobContext, source: Source, run: DiscoveryRun, cursor: list[str], result: dict[str, Any]
-) -> tuple[DiscoveryRun, bool]:
-    """Read the cursor's first page and commit what it lists; True when the job is done."""
-    listing = _read(ctx, source, run, cursor[0])
-    remaining = _next_cursor(cursor, listing.pages, run.visited)
-    if run.pages + 1 + len(remaining) > MAX_RUN_PAGES:
-        _fail(ctx, source, run, f"the run grew past {MAX_RUN_PAGES} listing pages")
+    ctx: JobContext, source: Source, run_id: int, page: DiscoveryPage, result: dict[str, Any]
+) -> bool:
+    """Read one page and commit what it lists, or its failure; True when the job is done.
+
+    Whether this page ends the job is worked out before the transaction, so that the
+    page, the continuation or completion and the job's completion commit together.
+    """
+    outcome = _read(source, page.url)
     result["pages"] += 1
-    last = not remaining or result["pages"] >= source.max_pages_per_run
-    # On a job's last page the result commits with the job; it is filled in below.
-    with ctx.atomic(complete=last, result=result):
-        run = _commit_page(source, run.pk, cursor, remaining, listing, result)
-    return run, last
+    requeued = isinstance(outcome, _Failure) and outcome.transient and page.tries + 1 < PAGE_TRIES
+    new_pages = [] if isinstance(outcome, _Failure) else _unknown_pages(run_id, outcome.pages)
+    nxt = _head(run_id, after=page.pk)
+    if nxt is not None:
+        head_tries: int | None = nxt.tries
+    elif new_pages:
+        head_tries = 0
+    elif requeued:
+        head_tries = page.tries + 1
+    else:
+        head_tries = None  # nothing left: the run ends with this page
+    budget_spent = result["pages"] >= source.max_pages_per_run
+    done = head_tries is None or head_tries > 0 or budget_spent
+    with ctx.atomic(complete=done, result=result):
+        run = _locked_run(run_id)
+        row = DiscoveryPage.objects.select_for_update().filter(pk=page.pk).first()
+        if row is None or row.state != PageState.PENDING or run.state != RunState.RUNNING:
+            raise _Superseded
+        if isinstance(outcome, _Failure):
+            _page_failed(source, run, row, outcome, result, requeued)
+        else:
+            _page_read(source, run, row, outcome, new_pages, result)
+        if head_tries is None:
+            _finish(source, run, result)
+        elif head_tries > 0:
+            # Only pages that already failed are left: give them time before the next try.
+            run.jobs += 1
+            _continue(source, run, PAGE_RETRY_DELAY * 2 ** (head_tries - 1))
+        elif budget_spent:
+            run.jobs += 1
+            _continue(source, run, None)
+        run.save()
+    return done
 
 
 @contextmanager
@@ -284,11 +250,10 @@ def _last_attempt_fails_run(
 ) -> Iterator[None]:
     """On the job's last attempt, an unexpected error on ``page`` fails the run.
 
-    Expected outcomes are decided where they happen: a transient fetch error leaves the
-    run to be resumed, an unreadable listing fails it at once. Anything else (a bug, a row
-    the database refuses) would kill the job and leave the run ``running`` with ``page``
-    at the head of its cursor, so that every later job would read it, die the same way,
-    and no discovery of the source would ever complete again.
+    Expected outcomes are decided where they happen (see the module's docstring). Anything
+    else (a bug, a row the database refuses) would kill the job and leave the run
+    ``running`` with ``page`` at the head of its cursor, so that every later job would read
+    it, die the same way, and no discovery of the source would ever complete again.
     """
     try:
         yield
@@ -297,7 +262,13 @@ def _last_attempt_fails_run(
     except Exception as exc:
         if ctx.attempt >= ctx.max_attempts:
             reason = f"{type(exc).__name__}: {exc}"
-            _fail(ctx, source, run, f"listing page {page} failed {ctx.attempt} times: {reason}")
+            error = f"listing page {page} failed {ctx.attempt} times: {reason}"
+            with ctx.atomic():
+                DiscoveryRun.objects.filter(pk=run.pk, state=RunState.RUNNING).update(
+                    state=RunState.FAILED, error=error[:10_000], finished_at=engine.db_now()
+                )
+            log.warning("discovery_run_failed", source=source.name, run_id=run.pk, error=error)
+            raise PermanentError(error) from exc
         raise
 
 
@@ -317,10 +288,11 @@ def _run_for(ctx: JobContext, source: Source, run_id: int | None) -> DiscoveryRu
         return redundant
     if running is None:
         with ctx.atomic():
-            run = DiscoveryRun.objects.create(source=source, cursor=[source.url], jobs=1)
+            run = DiscoveryRun.objects.create(source=source, jobs=1, known_pages=1)
+            DiscoveryPage.objects.create(run=run, url=source.url)
         log.info("discovery_run_started", source=source.name, run_id=run.pk, job_id=ctx.job_id)
         return run
-    # The run's last job died or was cancelled: carry on from its committed cursor.
+    # The run's last job died or was cancelled: carry on from its committed pages.
     with ctx.atomic():
         DiscoveryRun.objects.filter(pk=running.pk).update(jobs=F("jobs") + 1)
     log.info("discovery_run_resumed", source=source.name, run_id=running.pk, job_id=ctx.job_id)
@@ -348,123 +320,196 @@ def _redundant_slot(ctx: JobContext, source: Source, other: Job | None) -> str:
     return f"run {done.pk} completed after this job was enqueued" if done else ""
 
 
-def _read(ctx: JobContext, source: Source, run: DiscoveryRun, page: str) -> Listing:
-    """Fetch and parse one listing page; what cannot succeed later fails the run."""
+def _read(source: Source, page: str) -> Listing | _Failure:
+    """Fetch and parse one listing page; what went wrong is returned, not raised."""
     try:
         response = http.get(source, page)
     except http.FetchError as exc:
-        if exc.transient:
-            raise  # retried with backoff; the cursor still starts at this page
-        _fail(ctx, source, run, str(exc))
-    if response.status == 429 or response.status >= 500:
-        raise http.FetchError(f"GET {page}: answered {response.status}; will retry")
+        return _Failure(str(exc), exc.transient)
+    if response.status >= 500 or response.status in RETRY_STATUSES:
+        return _Failure(f"GET {page}: answered {response.status}", transient=True)
     if response.status != 200:
-        _fail(ctx, source, run, f"listing page {page} answered {response.status}")
+        return _Failure(f"GET {page}: answered {response.status}", transient=False)
     try:
-        return parse_listing(response.body, response.url)
+        return parse_listing(response.body, response.url, response.headers.get("content-type", ""))
     except ListingError as exc:
-        _fail(ctx, source, run, str(exc))
+        return _Failure(str(exc), transient=False)
 
 
-def _fail(ctx: JobContext, source: Source, run: DiscoveryRun, error: str) -> NoReturn:
-    """Mark the run failed, then send the job to ``dead``: retrying cannot help."""
-    with ctx.atomic():
-        DiscoveryRun.objects.filter(pk=run.pk, state=RunState.RUNNING).update(
-            state=RunState.FAILED, error=error, finished_at=engine.db_now()
+def _unknown_pages(run_id: int, pages: list[str]) -> list[str]:
+    """The pages of ``pages`` this run does not know yet (read, pending or failed), once each."""
+    wanted = list(dict.fromkeys(pages))
+    known: set[str] = set()
+    for chunk in _chunks(wanted):
+        known.update(
+            DiscoveryPage.objects.filter(run_id=run_id, url__in=chunk).values_list("url", flat=True)
         )
-    log.warning("discovery_run_failed", source=source.name, run_id=run.pk, error=error)
-    raise PermanentError(error)
+    return [page for page in wanted if page not in known]
 
 
-def _next_cursor(cursor: list[str], found: Iterable[str], visited: Iterable[str]) -> list[str]:
-    """The cursor once its first page is read: the rest, then the pages that one named.
-
-    A page already read in this run (``visited``) or already pending is not added again.
-    """
-    remaining = cursor[1:]
-    known = {*visited, *cursor}
-    for page in found:
-        if page not in known:
-            remaining.append(page)
-            known.add(page)
-    return remaining
-
-
-def _commit_page(
+def _page_read(
     source: Source,
-    run_id: int,
-    cursor: list[str],
-    remaining: list[str],
+    run: DiscoveryRun,
+    row: DiscoveryPage,
     listing: Listing,
+    new_pages: list[str],
     result: dict[str, Any],
-) -> DiscoveryRun:
-    """Inside the page's ``ctx.atomic()``: items, cursor, and continuation or completion."""
-    run = DiscoveryRun.objects.select_for_update().get(pk=run_id)
-    if run.state != RunState.RUNNING or run.cursor != cursor:
-        raise _Superseded
+) -> None:
+    """Inside the page's transaction: its items, its row, the pages it names."""
     now = engine.db_now()
-    new, changed = _upsert(source, run, listing.items, now)
-    run.cursor = remaining
-    run.visited = [*run.visited, cursor[0]]
+    if run.known_pages + len(new_pages) > MAX_RUN_PAGES:
+        new_pages = new_pages[: max(MAX_RUN_PAGES - run.known_pages, 0)]
+        listing = Listing(
+            listing.items,
+            listing.pages,
+            listing.malformed,
+            listing.defect
+            or f"the run reached {MAX_RUN_PAGES} listing pages; the pages past that are not read",
+            listing.complete,
+            listing.archived,
+        )
+    DiscoveryPage.objects.bulk_create(
+        [DiscoveryPage(run=run, url=url) for url in new_pages], batch_size=BATCH
+    )
+    run.known_pages += len(new_pages)
+    new, changed, retry, first_seen = _upsert(source, run, listing.items, now)
     run.pages += 1
-    run.items = Artifact.objects.filter(last_seen_run=run).count()
+    run.items += first_seen
+    run.exhaustive = run.exhaustive or listing.complete or listing.archived
     result["new"] += len(new)
     result["changed"] += len(changed)
     result["malformed"] += len(listing.malformed)
-    last = result["pages"] >= source.max_pages_per_run
-    if not remaining:
-        run.state, run.finished_at = RunState.COMPLETED, now
-    elif last:
-        run.jobs += 1
-    fields = ["cursor", "visited", "pages", "items", "state", "finished_at", "jobs"]
-    run.save(update_fields=fields)
+    if listing.defect:
+        row.state, row.error = PageState.FAILED, listing.defect[:10_000]
+        run.failed_pages += 1
+        result["failed_pages"] += 1
+        _record_page_issue(source, run, row.url, listing.defect, recovered=len(listing.items))
+    else:
+        row.state, row.error = PageState.READ, ""
+        resolve_cleared(
+            IssueKind.LISTING_FAILED, source.name, [row.url], f"read by discovery run {run.pk}"
+        )
+    row.save(update_fields=["state", "error"])
     log.info(
         "discovery_page_read",
         source=source.name,
         run_id=run.pk,
-        page=cursor[0],
+        page=row.url,
         items=len(listing.items),
         new=len(new),
         changed=len(changed),
-        pending=len(remaining),
+        pages_named=len(new_pages),
+        defect=listing.defect or None,
     )
     if listing.malformed:
         log.warning(
             "discovery_urls_malformed",
             source=source.name,
             run_id=run.pk,
-            page=cursor[0],
+            page=row.url,
             count=len(listing.malformed),
             urls=listing.malformed[:MALFORMED_LOGGED],
         )
-    if new or changed:
+    if new or changed or retry:
         for hook in items_discovered:
-            hook(source, new, changed)
-    if not remaining:
-        result.update(completed=True, items=run.items)
-        for completed in run_completed:
-            completed(run)
-        log.info("discovery_run_completed", source=source.name, run_id=run.pk, items=run.items)
-    elif last:
-        _continue(source, run)
-    return run
+            hook(source, new, changed, retry)
 
 
-def _continue(source: Source, run: DiscoveryRun) -> None:
+def _page_failed(
+    source: Source,
+    run: DiscoveryRun,
+    row: DiscoveryPage,
+    failure: _Failure,
+    result: dict[str, Any],
+    requeued: bool,
+) -> None:
+    """Inside the page's transaction: try the page again later, or give up on it."""
+    if requeued:  # to the back of the cursor: a new row, so that ``id`` order puts it last
+        row.delete()
+        DiscoveryPage.objects.create(
+            run=run, url=row.url, tries=row.tries + 1, error=failure.error[:10_000]
+        )
+        log.info(
+            "discovery_page_retry",
+            source=source.name,
+            run_id=run.pk,
+            page=row.url,
+            tries=row.tries + 1,
+            error=failure.error,
+        )
+        return
+    tries = row.tries + (1 if failure.transient else 0)
+    DiscoveryPage.objects.filter(pk=row.pk).update(
+        state=PageState.FAILED, tries=tries, error=failure.error[:10_000]
+    )
+    run.failed_pages += 1
+    result["failed_pages"] += 1
+    error = failure.error if not failure.transient else f"{failure.error} ({tries} tries)"
+    _record_page_issue(source, run, row.url, error, transient=failure.transient, tries=tries)
+    log.warning(
+        "discovery_page_failed", source=source.name, run_id=run.pk, page=row.url, error=error
+    )
+
+
+def _record_page_issue(
+    source: Source, run: DiscoveryRun, url: str, error: str, **details: Any
+) -> None:
+    """One open ``listing_failed`` issue per page of a source, however many runs fail it."""
+    record_unless_open(
+        IssueKind.LISTING_FAILED, url, source.name, {"run_id": run.pk, "error": error, **details}
+    )
+    if not run.error:
+        run.error = f"listing page {url} failed: {error}"[:10_000]
+
+
+def _finish(source: Source, run: DiscoveryRun, result: dict[str, Any]) -> None:
+    """No page is pending: the run completes, or fails if it could read no page at all."""
+    now = engine.db_now()
+    run.finished_at = now
+    if run.pages == 0:
+        run.state = RunState.FAILED
+        result.update(completed=False, failed=run.error or "no listing page could be read")
+        log.warning("discovery_run_failed", source=source.name, run_id=run.pk, error=run.error)
+        return
+    run.state = RunState.COMPLETED
+    result.update(completed=True, items=run.items, failed_pages=run.failed_pages)
+    for completed in run_completed:
+        completed(run)
+    log.info(
+        "discovery_run_completed",
+        source=source.name,
+        run_id=run.pk,
+        items=run.items,
+        failed_pages=run.failed_pages,
+    )
+
+
+def _continue(source: Source, run: DiscoveryRun, delay: timedelta | None) -> None:
     key = f"discover:{source.name}:run{run.pk}:job{run.jobs}"
-    job = engine.enqueue(DISCOVER_KIND, {"source": source.name, "run": run.pk}, unique_key=key)
+    job = engine.enqueue(
+        DISCOVER_KIND, {"source": source.name, "run": run.pk}, unique_key=key, delay=delay
+    )
     if job is None:  # a lane that drops when full; the next scheduled discovery resumes it
         log.warning("discovery_continuation_dropped", source=source.name, run_id=run.pk)
         return
-    log.info("discovery_continued", source=source.name, run_id=run.pk, next_job_id=job.pk)
+    log.info(
+        "discovery_continued",
+        source=source.name,
+        run_id=run.pk,
+        next_job_id=job.pk,
+        delay=None if delay is None else delay.total_seconds(),
+    )
 
 
 def _upsert(
     source: Source, run: DiscoveryRun, items: list[Item], now: datetime
-) -> tuple[list[int], list[int]]:
-    """Upsert a page's items on (source, url); returns the new and the changed ids.
+) -> tuple[list[int], list[int], list[int], int]:
+    """Upsert a page's items on (source, url).
 
-    Changed means the listing gives a ``lastmod`` different from the one last listed.
+    Returns the new ids, the changed ids (the listing gives a known ``lastmod`` other than
+    the one last listed; unknown ones never count), the ids of failed items to fetch
+    again (a permanent failure, or fetches that kept failing), and how many items this
+    run sees here for the first time (for ``run.items``, without counting the whole run).
     """
     listed = {item.url: item for item in items}  # a URL listed twice: the last one wins
     urls = list(listed)
@@ -488,19 +533,25 @@ def _upsert(
     for chunk in _chunks([artifact.url for artifact in fresh]):
         new += Artifact.objects.filter(source=source, url__in=chunk).values_list("pk", flat=True)
     changed: list[int] = []
+    retry: list[int] = []
     updated: list[Artifact] = []
+    first_seen = len(fresh)
     for url, artifact in existing.items():
         item = listed[url]
-        if item.lastmod and item.lastmod != artifact.lastmod:
+        if item.lastmod and item.lastmod != normalize_lastmod(artifact.lastmod):
             changed.append(artifact.pk)
-        artifact.lastmod = item.lastmod or artifact.lastmod
+        elif artifact.state == ArtifactState.FAILED or artifact.failures:
+            retry.append(artifact.pk)
+        if artifact.last_seen_run_id != run.pk:
+            first_seen += 1
+        artifact.lastmod = item.lastmod
         artifact.title = item.title or artifact.title
         artifact.last_seen_run = run
         artifact.last_seen_at = now
         updated.append(artifact)
     fields = ["lastmod", "title", "last_seen_run", "last_seen_at"]
     Artifact.objects.bulk_update(updated, fields, batch_size=BATCH)
-    return sorted(new), sorted(changed)
+    return sorted(new), sorted(changed), sorted(retry), first_seen
 
 
 def _chunks(values: list[str]) -> Iterator[list[str]]:

@@ -7,9 +7,11 @@ the slot ``max(now, next_request_at)`` (database clock) and moves ``next_request
 never blocks anyone. robots.txt is fetched through the same path, kept on the source row
 for a day, parsed by RFC 9309 (longest match wins; ``*`` and ``$`` in paths) and checked
 before every hop, redirects included (they are followed by hand, at most
-:data:`MAX_REDIRECTS`). Every hop's host must resolve to public addresses, or to the
-source's own host's addresses, so a listing cannot point workers at internal services.
-Bodies are streamed and abandoned past a byte cap.
+:data:`MAX_REDIRECTS`). Every connection, robots.txt's and every redirect's included, is
+made by IP to an address :mod:`ingestion.egress` allowed when it was resolved for that
+connection (no rebinding window): public addresses only, unless the source was added
+with ``--allow-private``. Bodies are streamed, decoded incrementally and abandoned past a
+byte cap counted on decoded bytes; a whole call has a total deadline.
 
 ``get`` returns every HTTP status as a :class:`Response` (callers decide what a 304, 404
 or 503 means for them) and raises :class:`FetchError` only when no usable answer came:
@@ -20,17 +22,20 @@ Call it outside any transaction: the spacing reservation must commit before the 
 
 from __future__ import annotations
 
-import ipaddress
 import math
 import socket
+import ssl
 import threading
 import time
-from collections.abc import Collection, Mapping
+import zlib
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from functools import lru_cache
+from typing import Any
 from urllib.parse import urldefrag, urljoin, urlsplit
 
+import httpcore
 import httpx
 from django.conf import settings
 from django.db import transaction
@@ -41,6 +46,8 @@ from jobs import engine
 from jobs.exceptions import HoldfastError
 from jobs.log import get_logger
 
+from . import egress
+from .egress import IPAddress, address_allowed, is_public
 from .models import Source
 from .sources import MAX_SPACING_SECONDS
 
@@ -52,7 +59,9 @@ ROBOTS_MAX_AGE = timedelta(days=1)
 ROBOTS_MAX_BYTES = 512 * 1024  # RFC 9309 asks crawlers to read at least 500 KiB
 CHUNK_BYTES = 64 * 1024
 
-IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
+ACCEPT_ENCODING = "gzip, deflate"  # what _Inflater undoes, with a bound
+
+__all__ = ["address_allowed", "is_public"]  # the address policy lives in ingestion.egress
 
 
 @dataclass(frozen=True)
@@ -100,10 +109,11 @@ class TooManyRedirects(FetchError):
 
 
 class ForbiddenAddress(FetchError):
-    """The host resolves to an internal address that is not one of the source's own host.
+    """The host resolves to an address the source may not reach (``ingestion.egress``).
 
-    A third-party listing (or a redirect) must not make workers fetch cloud metadata,
-    localhost or the private network and turn the answers into searchable documents.
+    A third-party listing (or a redirect, or a DNS answer) must not make workers fetch
+    cloud metadata, localhost or the private network and turn the answers into
+    searchable documents.
     """
 
     transient = False
@@ -116,15 +126,21 @@ def get(
     headers: Mapping[str, str] | None = None,
     max_bytes: int | None = None,
 ) -> Response:
-    """GET ``url`` on behalf of ``source``: robots-checked, spaced, capped, redirects bounded."""
+    """GET ``url`` on behalf of ``source``: robots-checked, spaced, capped, redirects bounded.
+
+    The whole call, robots.txt and redirects included, has ``HOLDFAST_FETCH_DEADLINE_SECONDS``
+    of network time (waits for the source's turn do not count); every read, write and
+    connect also has ``HOLDFAST_FETCH_TIMEOUT_SECONDS``.
+    """
     cap = settings.HOLDFAST_FETCH_MAX_BYTES if max_bytes is None else max_bytes
     elapsed = 0.0
     current = _checked_url(url)
-    with _client() as client:
+    deadline = Deadline(float(settings.HOLDFAST_FETCH_DEADLINE_SECONDS), url)
+    with _client(source, deadline) as client:
         for _hop in range(MAX_REDIRECTS + 1):
             check_address(source, current)
-            _check_robots(client, source, current)
-            answer = _exchange(client, source, current, headers, cap)
+            _check_robots(client, source, current, deadline)
+            answer = _exchange(client, source, current, headers, cap, deadline)
             elapsed += answer.elapsed
             target = _redirect_target(answer)
             if target is None:
@@ -133,14 +149,175 @@ def get(
     raise TooManyRedirects(f"GET {url}: more than {MAX_REDIRECTS} redirects (last to {current})")
 
 
+# --- deadline and pinned connections ---------------------------------------------------
+
+
+class DeadlinePassed(FetchError):
+    """The fetch's total deadline passed (a server trickling bytes, or too many slow hops)."""
+
+
+class Deadline:
+    """A budget of network seconds for one :func:`get`; waits for a turn are added back."""
+
+    def __init__(self, seconds: float, url: str) -> None:
+        self.seconds = seconds
+        self.url = url
+        self._ends = time.monotonic() + seconds
+
+    def extend(self, seconds: float) -> None:
+        self._ends += max(seconds, 0.0)
+
+    def bound(self, timeout: float | None) -> float:
+        """``timeout`` shortened to what is left; raises once nothing is left."""
+        left = self._ends - time.monotonic()
+        if left <= 0:
+            raise self.passed()
+        return left if timeout is None else min(timeout, left)
+
+    def passed(self) -> DeadlinePassed:
+        return DeadlinePassed(f"GET {self.url}: the fetch deadline of {self.seconds:g} s passed")
+
+    def timed_out(self, exc: TimeoutError, kind: type[Exception]) -> Exception:
+        """What a socket timeout means: the deadline, if it has passed, or ``kind``."""
+        if self._ends - time.monotonic() <= 0.05:
+            return self.passed()
+        return kind(str(exc))
+
+
+class _PinnedBackend(httpcore.NetworkBackend):
+    """Connects by IP to an address the egress policy allowed, at the moment of connecting.
+
+    httpcore hands over the URL's host; it is resolved here (once), every address is
+    judged, and the socket connects to an allowed address itself, so no second lookup
+    can answer differently. TLS still uses the host name (httpcore passes it as
+    ``server_hostname`` to ``start_tls``: SNI and the certificate check), and the
+    ``Host`` header comes from the URL.
+    """
+
+    def __init__(self, source: Source, deadline: Deadline) -> None:
+        self.source = source
+        self.deadline = deadline
+        self.connected: list[IPAddress] = []  # for tests and logs: where we really went
+
+    def connect_tcp(
+        self,
+        host: str,
+        port: int,
+        timeout: float | None = None,
+        local_address: str | None = None,
+        socket_options: Iterable[Any] | None = None,
+    ) -> httpcore.NetworkStream:
+        try:
+            addresses = egress.resolve(host, port)
+        except egress.ResolutionError as exc:
+            raise FetchError(f"GET {self.deadline.url}: {exc}") from None
+        bad = egress.refused(addresses, self.source.allow_private)
+        if bad is not None:
+            raise _forbidden(self.source, self.deadline.url, host, bad)
+        error: OSError | None = None
+        for address in addresses:
+            try:
+                sock = socket.create_connection((str(address), port), self.deadline.bound(timeout))
+            except TimeoutError as exc:
+                raise self.deadline.timed_out(exc, httpcore.ConnectTimeout) from exc
+            except OSError as exc:
+                error = exc
+                continue
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self.connected.append(address)
+            return _BoundedStream(sock, self.deadline)
+        raise httpcore.ConnectError(str(error or "no address to connect to"))
+
+    def connect_unix_socket(self, *args: Any, **kwargs: Any) -> httpcore.NetworkStream:
+        raise FetchError("unix sockets are not used", transient=False)
+
+    def sleep(self, seconds: float) -> None:
+        time.sleep(seconds)
+
+
+class _BoundedStream(httpcore.NetworkStream):
+    """A socket whose every read and write also ends at the fetch's deadline."""
+
+    def __init__(self, sock: socket.socket, deadline: Deadline) -> None:
+        self._sock = sock
+        self._deadline = deadline
+
+    def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
+        self._sock.settimeout(self._deadline.bound(timeout))
+        try:
+            return self._sock.recv(max_bytes)
+        except TimeoutError as exc:
+            raise self._deadline.timed_out(exc, httpcore.ReadTimeout) from exc
+        except OSError as exc:
+            raise httpcore.ReadError(str(exc)) from exc
+
+    def write(self, buffer: bytes, timeout: float | None = None) -> None:
+        while buffer:
+            self._sock.settimeout(self._deadline.bound(timeout))
+            try:
+                sent = self._sock.send(buffer)
+            except TimeoutError as exc:
+                raise self._deadline.timed_out(exc, httpcore.WriteTimeout) from exc
+            except OSError as exc:
+                raise httpcore.WriteError(str(exc)) from exc
+            buffer = buffer[sent:]
+
+    def close(self) -> None:
+        self._sock.close()
+
+    def start_tls(
+        self,
+        ssl_context: ssl.SSLContext,
+        server_hostname: str | None = None,
+        timeout: float | None = None,
+    ) -> httpcore.NetworkStream:
+        self._sock.settimeout(self._deadline.bound(timeout))
+        try:
+            wrapped = ssl_context.wrap_socket(self._sock, server_hostname=server_hostname)
+        except TimeoutError as exc:
+            self.close()
+            raise self._deadline.timed_out(exc, httpcore.ConnectTimeout) from exc
+        except OSError as exc:  # ssl.SSLError is an OSError
+            self.close()
+            raise httpcore.ConnectError(str(exc)) from exc
+        return _BoundedStream(wrapped, self._deadline)
+
+    def get_extra_info(self, info: str) -> Any:
+        if info == "ssl_object" and isinstance(self._sock, ssl.SSLSocket):
+            return self._sock._sslobj  # type: ignore[attr-defined]
+        if info == "client_addr":
+            return self._sock.getsockname()
+        if info == "server_addr":
+            return self._sock.getpeername()
+        if info == "socket":
+            return self._sock
+        if info == "is_readable":
+            return httpcore._utils.is_socket_readable(self._sock)
+        return None
+
+
 # --- one request -----------------------------------------------------------------------
 
 
-def _client() -> httpx.Client:
+def _client(source: Source, deadline: Deadline) -> httpx.Client:
+    """A client whose every connection goes through the pinned, deadline-bound backend.
+
+    ``trust_env=False``: a proxy from the environment would make the address actually
+    connected to the proxy's, out of this policy's sight.
+    """
+    timeout = float(settings.HOLDFAST_FETCH_TIMEOUT_SECONDS)
+    transport = httpx.HTTPTransport(retries=0, trust_env=False)
+    transport._pool = httpcore.ConnectionPool(  # the one hook httpx offers for a backend
+        ssl_context=httpx.create_ssl_context(trust_env=False),
+        network_backend=_PinnedBackend(source, deadline),
+        retries=0,
+    )
     return httpx.Client(
-        timeout=httpx.Timeout(float(settings.HOLDFAST_FETCH_TIMEOUT_SECONDS)),
-        headers={"User-Agent": settings.HOLDFAST_USER_AGENT},
+        transport=transport,
+        timeout=httpx.Timeout(timeout),
+        headers={"User-Agent": settings.HOLDFAST_USER_AGENT, "Accept-Encoding": ACCEPT_ENCODING},
         follow_redirects=False,
+        trust_env=False,
         event_hooks={"response": [_check_location]},
     )
 
@@ -169,24 +346,24 @@ def _exchange(
     url: str,
     headers: Mapping[str, str] | None,
     cap: int,
+    deadline: Deadline,
     *,
     truncate: bool = False,
 ) -> Response:
-    """One request in the source's turn; the body is read only while under ``cap``.
+    """One request in the source's turn; the body is decoded only while under ``cap``.
 
-    Past ``cap`` the transfer is abandoned: with ``truncate`` the first ``cap`` bytes are
-    the body, otherwise :class:`TooLarge` is raised.
+    Past ``cap`` (decoded bytes, across every stacked Content-Encoding) the transfer is
+    abandoned: with ``truncate`` the first ``cap`` bytes are the body, otherwise
+    :class:`TooLarge` is raised.
     """
-    wait_turn(source)
+    deadline.extend(wait_turn(source))
     started = time.monotonic()
     try:
         with client.stream("GET", url, headers=dict(headers or {})) as response:
             if response.status_code in REDIRECT_STATUSES and "location" in response.headers:
                 body = b""  # a redirect's body is never needed
-            elif truncate:
-                body = _read_truncated(response, cap)
             else:
-                body = _read_capped(response, url, cap)
+                body = _read_body(response, url, cap, truncate)
     except httpx.UnsupportedProtocol as exc:
         raise FetchError(f"GET {url}: {exc}", transient=False) from exc
     except httpx.TimeoutException as exc:
@@ -205,25 +382,114 @@ def _exchange(
     return Response(response.status_code, url, response.headers, body, took)
 
 
-def _read_capped(response: httpx.Response, url: str, cap: int) -> bytes:
+def _read_body(response: httpx.Response, url: str, cap: int, truncate: bool) -> bytes:
+    """The decoded body, counted as it is decoded: never more than ``cap`` bytes in memory.
+
+    Content-Encodings are undone here, incrementally and in the reverse of the order they
+    were applied, each stage producing at most :data:`CHUNK_BYTES` at a time, so a small
+    response that inflates to gigabytes (``gzip, gzip``) stops at the cap after at most
+    that much work. Every stage's output counts against the cap, not just the last.
+    """
     declared = response.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > cap:
+    encodings = _encodings(response, url)
+    if not truncate and not encodings and declared.isdigit() and int(declared) > cap:
         raise TooLarge(f"GET {url}: body of {declared} bytes is over the {cap}-byte cap")
+    stages = [_Inflater(name, url) for name in reversed(encodings)]
+    produced = [0] * len(stages)
     body = bytearray()
-    for chunk in response.iter_bytes(CHUNK_BYTES):
-        body += chunk
-        if len(body) > cap:
-            raise TooLarge(f"GET {url}: body is over the {cap}-byte cap; transfer abandoned")
-    return bytes(body)
+
+    def feed(data: bytes, level: int) -> bool:
+        """Push ``data`` through stages ``level``…; False once the body is full."""
+        if level == len(stages):
+            body.extend(data)
+            if len(body) > cap:
+                if truncate:
+                    return False
+                raise TooLarge(f"GET {url}: body is over the {cap}-byte cap; transfer abandoned")
+            return True
+        for piece in stages[level].decode(data):
+            produced[level] += len(piece)
+            if produced[level] > cap and not (truncate and level == len(stages) - 1):
+                raise TooLarge(
+                    f"GET {url}: decoding {encodings[len(stages) - 1 - level]} yields more"
+                    f" than the {cap}-byte cap; transfer abandoned"
+                )
+            if not feed(piece, level + 1):
+                return False
+        return True
+
+    for chunk in response.iter_raw(CHUNK_BYTES):
+        if not feed(chunk, 0):
+            return bytes(body[:cap])
+    for level, stage in enumerate(stages):
+        if not feed(stage.flush(), level + 1):
+            return bytes(body[:cap])
+    return bytes(body[:cap]) if truncate else bytes(body)
 
 
-def _read_truncated(response: httpx.Response, cap: int) -> bytes:
-    body = bytearray()
-    for chunk in response.iter_bytes(CHUNK_BYTES):
-        body += chunk
-        if len(body) >= cap:
-            break  # the rest is never read: leaving the stream closes the connection
-    return bytes(body[:cap])
+def _encodings(response: httpx.Response, url: str) -> list[str]:
+    """The Content-Encodings applied to the body, in the order they were applied."""
+    names = []
+    for value in response.headers.get_list("content-encoding"):
+        for name in value.split(","):
+            name = name.strip().lower()
+            if name and name != "identity":
+                if name not in _Inflater.KINDS:
+                    raise FetchError(
+                        f"GET {url}: unsupported Content-Encoding {name!r}", transient=False
+                    )
+                names.append(name)
+    return names
+
+
+class _Inflater:
+    """One Content-Encoding undone incrementally, at most :data:`CHUNK_BYTES` per step."""
+
+    KINDS = frozenset({"gzip", "x-gzip", "deflate"})
+
+    def __init__(self, name: str, url: str) -> None:
+        self.name = name
+        self.url = url
+        self.raw_deflate = False
+        self._decoder = self._new()
+        self._first = True
+
+    def _new(self) -> Any:
+        if self.name in ("gzip", "x-gzip"):
+            return zlib.decompressobj(16 + zlib.MAX_WBITS)
+        return zlib.decompressobj(-zlib.MAX_WBITS if self.raw_deflate else zlib.MAX_WBITS)
+
+    def decode(self, data: bytes) -> Iterator[bytes]:
+        while data:
+            try:
+                piece = self._decoder.decompress(data, CHUNK_BYTES)
+            except zlib.error as exc:
+                if self.name == "deflate" and self._first and not self.raw_deflate:
+                    self.raw_deflate = True  # servers that send raw deflate, as httpx allows
+                    self._decoder = self._new()
+                    continue
+                raise FetchError(
+                    f"GET {self.url}: undecodable {self.name} body: {exc}", transient=False
+                ) from None
+            self._first = False
+            if piece:
+                yield piece
+            data = self._decoder.unconsumed_tail
+            if self._decoder.eof:
+                rest = self._decoder.unused_data
+                if self.name in ("gzip", "x-gzip") and rest.lstrip(b"\x00"):
+                    self._decoder = self._new()  # another gzip member follows
+                    data = rest + data
+                else:
+                    return
+
+    def flush(self) -> bytes:
+        try:
+            return self._decoder.flush(CHUNK_BYTES) if not self._decoder.eof else b""
+        except zlib.error as exc:
+            raise FetchError(
+                f"GET {self.url}: undecodable {self.name} body: {exc}", transient=False
+            ) from None
 
 
 def _checked_url(url: str) -> str:
@@ -293,67 +559,34 @@ def _spacing(seconds: float) -> timedelta:
 # --- addresses -------------------------------------------------------------------------
 
 
-def is_public(address: IPAddress) -> bool:
-    """Whether ``address`` is on the public internet: not private, loopback, link-local,
-    multicast, reserved, unspecified or otherwise special-purpose (``::ffff:10.0.0.1`` is
-    judged as ``10.0.0.1``)."""
-    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
-        address = address.ipv4_mapped
-    return address.is_global and not (
-        address.is_private
-        or address.is_loopback
-        or address.is_link_local
-        or address.is_multicast
-        or address.is_reserved
-        or address.is_unspecified
-    )
-
-
-def address_allowed(address: IPAddress, trusted: Collection[IPAddress]) -> bool:
-    """Whether a request for a source may connect to ``address``.
-
-    ``trusted`` are the addresses the source's own host resolves to: an operator who adds
-    a source on 127.0.0.1 or the office network trusts that host, and only that host.
-    """
-    return is_public(address) or address in trusted
-
-
 def check_address(source: Source, url: str) -> None:
-    """Raise :class:`ForbiddenAddress` unless every address of ``url``'s host is allowed.
+    """Raise :class:`ForbiddenAddress` early if ``url``'s host resolves where the source may
+    not go, before its turn is taken or robots.txt is read.
 
-    The host is resolved here and again by the connection, so a DNS answer that changes
-    in between (rebinding) is not caught; a literal IP or a stable name is.
+    This is only the early, friendly answer: the connection itself resolves once more and
+    connects by IP to an address it judged (see :class:`_PinnedBackend`), which is what
+    closes the rebinding window. A name that does not resolve is left to the connection
+    (a transient error there).
     """
-    internal = sorted((address for address in _resolve(url) if not is_public(address)), key=str)
-    if not internal:
-        return
-    trusted = _source_addresses(source)
-    for address in internal:
-        if not address_allowed(address, trusted):
-            host = urlsplit(url).hostname
-            log.warning("address_forbidden", source=source.name, url=url, address=str(address))
-            raise ForbiddenAddress(
-                f"GET {url}: {host} resolves to {address}, an internal address that is not"
-                f" one of the source's own host ({urlsplit(source.url).hostname})"
-            )
-
-
-def _resolve(url: str) -> frozenset[IPAddress]:
     parts = urlsplit(url)
     host = parts.hostname or ""
     port = parts.port or (443 if parts.scheme == "https" else 80)
     try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    except (OSError, UnicodeError) as exc:  # socket.gaierror is an OSError
-        raise FetchError(f"GET {url}: cannot resolve {host}: {exc}") from exc
-    return frozenset(ipaddress.ip_address(info[4][0]) for info in infos)
+        addresses = egress.resolve(host, port)
+    except egress.ResolutionError:
+        return
+    bad = egress.refused(addresses, source.allow_private)
+    if bad is not None:
+        raise _forbidden(source, url, host, bad)
 
 
-def _source_addresses(source: Source) -> frozenset[IPAddress]:
-    try:
-        return _resolve(source.url)
-    except (FetchError, ValueError):  # an unresolvable source host trusts nothing
-        return frozenset()
+def _forbidden(source: Source, url: str, host: str, address: IPAddress) -> ForbiddenAddress:
+    log.warning("address_forbidden", source=source.name, url=url, address=str(address))
+    if source.allow_private:
+        why = "an address no source may reach (metadata, unspecified, multicast or reserved)"
+    else:
+        why = "an internal address (the source was not added with --allow-private)"
+    return ForbiddenAddress(f"GET {url}: {host} resolves to {address}, {why}")
 
 
 # --- robots.txt ------------------------------------------------------------------------
@@ -368,12 +601,12 @@ def _origin(url: str) -> str:
     return f"{parts.scheme}://{parts.netloc}"
 
 
-def _check_robots(client: httpx.Client, source: Source, url: str) -> None:
+def _check_robots(client: httpx.Client, source: Source, url: str, deadline: Deadline) -> None:
     origin = _origin(url)
     if origin == _origin(source.url):
-        text = _source_robots(client, source, origin)
+        text = _source_robots(client, source, origin, deadline)
     else:
-        text = _other_robots(client, source, origin)
+        text = _other_robots(client, source, origin, deadline)
     if not _parser(text).can_fetch(url, _product_token()):
         log.info("robots_disallowed", source=source.name, url=url)
         raise RobotsDisallowed(f"GET {url}: disallowed by {origin}/robots.txt")
@@ -383,14 +616,14 @@ def _fresh(fetched_at: datetime | None) -> bool:
     return fetched_at is not None and timezone.now() - fetched_at < ROBOTS_MAX_AGE
 
 
-def _source_robots(client: httpx.Client, source: Source, origin: str) -> str:
+def _source_robots(client: httpx.Client, source: Source, origin: str, deadline: Deadline) -> str:
     """The source's robots.txt, kept on its row and fetched again once a day."""
     if _fresh(source.robots_fetched_at):
         return source.robots_txt
     source.refresh_from_db(fields=["robots_txt", "robots_fetched_at"])  # another worker's?
     if _fresh(source.robots_fetched_at):
         return source.robots_txt
-    text = _fetch_robots(client, source, origin)
+    text = _fetch_robots(client, source, origin, deadline)
     fetched_at = timezone.now()
     Source.objects.filter(pk=source.pk).update(robots_txt=text, robots_fetched_at=fetched_at)
     source.robots_txt, source.robots_fetched_at = text, fetched_at
@@ -398,19 +631,19 @@ def _source_robots(client: httpx.Client, source: Source, origin: str) -> str:
     return text
 
 
-def _other_robots(client: httpx.Client, source: Source, origin: str) -> str:
+def _other_robots(client: httpx.Client, source: Source, origin: str, deadline: Deadline) -> str:
     key = (source.pk, origin)
     with _other_hosts_lock:
         cached = _other_hosts.get(key)
     if cached is not None and _fresh(cached[0]):
         return cached[1]
-    text = _fetch_robots(client, source, origin)
+    text = _fetch_robots(client, source, origin, deadline)
     with _other_hosts_lock:
         _other_hosts[key] = (timezone.now(), text)
     return text
 
 
-def _fetch_robots(client: httpx.Client, source: Source, origin: str) -> str:
+def _fetch_robots(client: httpx.Client, source: Source, origin: str, deadline: Deadline) -> str:
     """robots.txt by RFC 9309: 2xx is the rules, 4xx allows everything, 5xx retries later.
 
     Only the first :data:`ROBOTS_MAX_BYTES` are read (RFC 9309 §2.5: at least 500 KiB,
@@ -419,7 +652,7 @@ def _fetch_robots(client: httpx.Client, source: Source, origin: str) -> str:
     url = f"{origin}/robots.txt"
     for _hop in range(MAX_REDIRECTS + 1):
         check_address(source, url)
-        answer = _exchange(client, source, url, None, ROBOTS_MAX_BYTES, truncate=True)
+        answer = _exchange(client, source, url, None, ROBOTS_MAX_BYTES, deadline, truncate=True)
         target = _redirect_target(answer)
         if target is None:
             break

@@ -12,6 +12,8 @@ class IssueKind(models.TextChoices):
     MISSING_FROM_SOURCE = "missing_from_source"
     CONTENT_CHANGED_UNANNOUNCED = "content_changed_unannounced"
     PERMANENT_FETCH_FAILURE = "permanent_fetch_failure"
+    FETCH_FAILING = "fetch_failing"  # transient errors outlasted a fetch's retries
+    LISTING_FAILED = "listing_failed"  # a listing page could not be read (fully)
 
 
 class IssueStatus(models.TextChoices):
@@ -116,6 +118,10 @@ class Source(models.Model):
     max_pages_per_run = models.PositiveIntegerField(default=10)
     refresh_days = models.PositiveIntegerField(default=28)
     enabled = models.BooleanField(default=True)
+    allow_private = models.BooleanField(
+        default=False,
+        help_text="may reach loopback, private and link-local addresses (add_source flag)",
+    )
     next_request_at = models.DateTimeField(null=True, blank=True)
     robots_txt = models.TextField(blank=True, default="")
     robots_fetched_at = models.DateTimeField(null=True, blank=True)
@@ -138,18 +144,23 @@ class RunState(models.TextChoices):
 class DiscoveryRun(models.Model):
     """One discovery of a source, possibly spanning several bounded jobs.
 
-    ``cursor`` holds the listing pages still to read (a sitemap index's children, a feed's
-    ``next`` link); it commits together with the items found, so a continuation resumes
-    exactly where the last committed page left off.
+    Its listing pages are :class:`DiscoveryPage` rows: the pending ones are the cursor (a
+    sitemap index's children, a feed's ``next`` link), the read ones the visited set. A
+    page's row changes in the same transaction as the items it lists, so a continuation
+    resumes exactly where the last committed page left off, and reading a page writes one
+    row, not the whole cursor (an index of 50,000 sitemaps stays linear).
     """
 
     source = models.ForeignKey(Source, on_delete=models.CASCADE, related_name="runs")
     state = models.CharField(max_length=10, choices=RunState.choices, default=RunState.RUNNING)
-    cursor = models.JSONField(default=list, blank=True)
-    visited = models.JSONField(
-        default=list, blank=True, help_text="listing pages this run has read, never read twice"
+    pages = models.PositiveIntegerField(default=0, help_text="listing pages read")
+    known_pages = models.PositiveIntegerField(default=0, help_text="page rows of this run")
+    failed_pages = models.PositiveIntegerField(
+        default=0, help_text="listing pages given up on: the run cannot tell what is missing"
     )
-    pages = models.PositiveIntegerField(default=0)
+    exhaustive = models.BooleanField(
+        default=False, help_text="feeds: a complete feed or a full archive was read"
+    )
     items = models.PositiveIntegerField(default=0)
     jobs = models.PositiveIntegerField(default=0, help_text="bounded jobs this run took")
     started_at = models.DateTimeField(db_default=Now())
@@ -168,6 +179,32 @@ class DiscoveryRun(models.Model):
 
     def __str__(self) -> str:
         return f"discovery run {self.pk} of {self.source_id} ({self.state})"
+
+
+class PageState(models.TextChoices):
+    PENDING = "pending"
+    READ = "read"
+    FAILED = "failed"  # given up on (a defect of the page, or transient errors outlasting tries)
+
+
+class DiscoveryPage(models.Model):
+    """One listing page of a run: pending (the cursor, in ``id`` order), read, or failed."""
+
+    run = models.ForeignKey(DiscoveryRun, on_delete=models.CASCADE, related_name="page_rows")
+    url = models.TextField()
+    state = models.CharField(max_length=10, choices=PageState.choices, default=PageState.PENDING)
+    tries = models.PositiveSmallIntegerField(default=0, help_text="transient failures so far")
+    error = models.TextField(blank=True, default="")
+
+    class Meta:
+        db_table = "discovery_pages"
+        constraints = [
+            models.UniqueConstraint(fields=["run", "url"], name="discovery_page_identity")
+        ]
+        indexes = [models.Index(fields=["run", "state", "id"], name="discovery_page_cursor_idx")]
+
+    def __str__(self) -> str:
+        return f"page {self.url} of run {self.run_id} ({self.state})"
 
 
 class ArtifactState(models.TextChoices):
@@ -205,6 +242,9 @@ class Artifact(models.Model):
     fetched_at = models.DateTimeField(null=True, blank=True)
     refresh_after = models.DateTimeField(null=True, blank=True)
     last_error = models.TextField(blank=True, default="")
+    failures = models.PositiveIntegerField(
+        default=0, help_text="fetches in a row whose transient errors outlasted their retries"
+    )
     indexed_sha256 = models.CharField(max_length=64, blank=True, default="")
 
     class Meta:
@@ -213,7 +253,7 @@ class Artifact(models.Model):
         indexes = [
             models.Index(
                 fields=["refresh_after"],
-                condition=models.Q(state="fetched"),
+                condition=models.Q(refresh_after__isnull=False),
                 name="artifact_refresh_due_idx",
             ),
             models.Index(fields=["source", "state"], name="artifact_source_state_idx"),

@@ -10,8 +10,16 @@ matches
     title, snippet)``. ``rank`` is higher for a better match on both databases (PostgreSQL:
     ``ts_rank_cd``; SQLite: ``bm25`` negated, as bm25 is lower for better matches); the
     figures of the two databases are not comparable. Snippets mark matched terms with
-    ``[`` and ``]``. PostgreSQL takes the user's text through ``websearch_to_tsquery``,
-    which accepts any input; SQLite takes an FTS5 query that ``fts5_query`` built.
+    ``[`` and ``]``.
+
+Both databases answer the same query the same way because neither reads the user's
+text: :func:`parse_query` reads the web-search syntax once (words, ``"phrases"``,
+``-word`` / ``-"phrase"`` to exclude, ``or`` between alternatives; ``or`` binds loosest,
+as in ``websearch_to_tsquery``), drops what one side would ignore (stop words of the
+English configuration; alternatives with nothing left to require), and each side is
+built from that: PostgreSQL combines ``phraseto_tsquery`` terms with ``&&``, ``!!`` and
+``||``, SQLite writes an FTS5 expression with ``AND``, ``NOT`` and ``OR`` over quoted
+strings (so FTS5's own operators and column filters in the text mean nothing).
 """
 
 from __future__ import annotations
@@ -46,7 +54,7 @@ POSTGRES_MATCHES = f"""
         SELECT t.artifact_id, t.title, t.text, q.query, ts_rank_cd(t.document, q.query) AS rank
         FROM {TEXTS} t
         JOIN {ARTIFACTS} a ON a.id = t.artifact_id
-        CROSS JOIN websearch_to_tsquery(%s::regconfig, %s) AS q(query)
+        CROSS JOIN (SELECT {{tsquery}}) AS q(query)
         WHERE t.document @@ q.query {{source_filter}}
         ORDER BY rank DESC, t.artifact_id
         LIMIT %s
@@ -68,9 +76,28 @@ SQLITE_MATCHES = f"""
     LIMIT %s
 """
 
-# A double-quoted phrase (closed or not), or a run of other non-space characters.
-QUERY_PART = re.compile(r'"([^"]*)"?|([^\s"]+)')
+# An optional "-", then a double-quoted phrase (closed or not) or a run of other characters.
+QUERY_PART = re.compile(r'(-?)(?:"([^"]*)"?|([^\s"]+))')
 WORD = re.compile(r"\w+")
+# PostgreSQL's english.stop (Snowball): the words the english configuration ignores.
+_STOP_TEXT = """i me my myself we our ours ourselves you your yours yourself yourselves he him his
+    himself she her hers herself it its itself they them their theirs themselves what which
+    who whom this that these those am is are was were be been being have has had having do
+    does did doing a an the and but if or because as until while of at by for with about
+    against between into through during before after above below to from up down in out on
+    off over under again further then once here there when where why how all any both each
+    few more most other some such no nor not only own same so than too very s t can will
+    just don should now"""
+ENGLISH_STOP_WORDS = frozenset(_STOP_TEXT.split())
+
+
+@dataclass(frozen=True)
+class Term:
+    words: tuple[str, ...]  # one word, or a phrase
+    excluded: bool
+
+
+Query = list[list[Term]]  # alternatives (joined by "or"), each a list of terms (all needed)
 
 
 @dataclass(frozen=True)
@@ -94,19 +121,21 @@ def matches(query: str, source_id: int | None, limit: int) -> list[Match]:
     """The best ``limit`` matches of the user's ``query``, best first."""
     source_filter = "" if source_id is None else "AND a.source_id = %s"
     source_params = [] if source_id is None else [source_id]
+    parsed = parse_query(query)
+    if not parsed:
+        return []
     with connection.cursor() as cursor:
         if connection.vendor == "postgresql":
             config = settings.HOLDFAST_SEARCH_CONFIG
+            tsquery, tsquery_params = postgres_tsquery(parsed, config)
             cursor.execute(
-                POSTGRES_MATCHES.format(source_filter=source_filter),
-                [config, POSTGRES_HEADLINE_OPTIONS, config, query, *source_params, limit],
+                POSTGRES_MATCHES.format(source_filter=source_filter, tsquery=tsquery),
+                [config, POSTGRES_HEADLINE_OPTIONS, *tsquery_params, *source_params, limit],
             )
         else:
-            fts = fts5_query(query)
-            if not fts:
-                return []
             cursor.execute(
-                SQLITE_MATCHES.format(source_filter=source_filter), [fts, *source_params, limit]
+                SQLITE_MATCHES.format(source_filter=source_filter),
+                [fts5_query(parsed), *source_params, limit],
             )
         return [
             Match(int(pk), float(rank), title or "", snippet or "")
@@ -114,23 +143,64 @@ def matches(query: str, source_id: int | None, limit: int) -> list[Match]:
         ]
 
 
-def fts5_query(text: str) -> str:
-    """The user's text as an FTS5 query that cannot be a syntax error.
+def parse_query(text: str) -> Query:
+    """The user's text in the web-search syntax, as alternatives of required terms.
 
-    Every word becomes a double-quoted FTS5 string, so operators (``AND``, ``NEAR``),
-    column filters, ``*`` and parentheses lose their meaning; a ``"quoted phrase"`` stays
-    a phrase. All parts must match (as with ``websearch_to_tsquery`` without ``or``).
-    Empty when the text holds no word at all.
+    A term left without a word (punctuation, or stop words only) is dropped, as
+    PostgreSQL drops it; an alternative with no term left to require (``-dogs`` alone)
+    matches nothing, on both databases. Empty when nothing is left to search for.
     """
-    parts = []
-    for phrase, bare in QUERY_PART.findall(text):
-        words = WORD.findall(phrase) if phrase else []
+    alternatives: Query = [[]]
+    for minus, phrase, bare in QUERY_PART.findall(text):
+        if not minus and not phrase and bare.lower() == "or":
+            alternatives.append([])
+            continue
+        words = significant(WORD.findall(phrase or bare))
         if words:
-            parts.append(quoted(" ".join(words)))
-        else:
-            parts.extend(quoted(word) for word in WORD.findall(bare))
-    return " ".join(parts)
+            alternatives[-1].append(Term(words, excluded=bool(minus)))
+    return [terms for terms in alternatives if any(not term.excluded for term in terms)]
 
 
-def quoted(words: str) -> str:
-    return '"' + words.replace('"', '""') + '"'
+def significant(words: list[str]) -> tuple[str, ...]:
+    """The words without the stop words at either end (PostgreSQL ignores those); stop
+    words inside a phrase stay, as positions PostgreSQL keeps (``keeps the lighthouse``)."""
+    stop = stop_words()
+    while words and words[0].lower() in stop:
+        words = words[1:]
+    while words and words[-1].lower() in stop:
+        words = words[:-1]
+    return tuple(words)
+
+
+def stop_words() -> frozenset[str]:
+    return ENGLISH_STOP_WORDS if settings.HOLDFAST_SEARCH_CONFIG == "english" else frozenset()
+
+
+def postgres_tsquery(query: Query, config: str) -> tuple[str, list[str]]:
+    """A tsquery expression for ``query`` and its parameters."""
+    params: list[str] = []
+    groups = []
+    for terms in query:
+        parts = []
+        for term in sorted(terms, key=lambda term: term.excluded):
+            params += [config, " ".join(term.words)]
+            tsquery = "phraseto_tsquery(%s::regconfig, %s)"
+            parts.append(f"!! {tsquery}" if term.excluded else tsquery)
+        groups.append("(" + " && ".join(parts) + ")")
+    return " || ".join(groups), params
+
+
+def fts5_query(query: Query) -> str:
+    """An FTS5 expression for ``query``: every word a quoted string, so nothing the user
+    typed is FTS5 syntax (``NEAR``, ``*``, column filters, parentheses)."""
+    groups = []
+    for terms in query:
+        required = " AND ".join(quoted(t.words) for t in terms if not t.excluded)
+        excluded = "".join(f" NOT {quoted(t.words)}" for t in terms if t.excluded)
+        groups.append(f"(({required}){excluded})")
+    return " OR ".join(groups)
+
+
+def quoted(words: tuple[str, ...]) -> str:
+    text = " ".join(words)
+    return '"' + text.replace('"', '""') + '"'

@@ -12,6 +12,7 @@ import hashlib
 import math
 from datetime import UTC, datetime
 from typing import Any
+from urllib.parse import urlsplit
 
 from cronsim import CronSim, CronSimError
 from django.core.exceptions import ValidationError
@@ -25,7 +26,8 @@ from jobs.log import get_logger
 from jobs.schedules import Declared, schedule_provider
 from jobs.serialization import timestamp
 
-from .models import DiscoveryRun, Source, SourceKind
+from . import egress
+from .models import DiscoveryRun, PageState, Source, SourceKind
 
 log = get_logger("ingestion.sources")
 
@@ -58,9 +60,16 @@ def add_source(
     schedule: str | None = None,
     spacing: float = 1.0,
     max_pages_per_run: int = 10,
+    allow_private: bool = False,
 ) -> Source:
-    """Create a source and its discovery schedule; bad input raises ``InvalidJob``."""
+    """Create a source and its discovery schedule; bad input raises ``InvalidJob``.
+
+    Without ``allow_private`` a URL whose host resolves to a loopback, private,
+    link-local or metadata address is refused here, naming the address (every request is
+    checked again when it connects: this is only the early answer).
+    """
     _validate(name, kind, url, schedule, spacing, max_pages_per_run)
+    _check_egress(url, allow_private)
     cron = schedule or spread_schedule(name)
     if Source.objects.filter(name=name).exists():
         raise InvalidJob(f"a source named {name!r} already exists")
@@ -73,10 +82,19 @@ def add_source(
                 schedule=cron,
                 spacing_seconds=spacing,
                 max_pages_per_run=max_pages_per_run,
+                allow_private=allow_private,
             )
     except IntegrityError:
         raise InvalidJob(f"a source named {name!r} already exists") from None
-    log.info("source_added", source=name, kind=kind, url=url, schedule=cron, spacing=spacing)
+    log.info(
+        "source_added",
+        source=name,
+        kind=kind,
+        url=url,
+        schedule=cron,
+        spacing=spacing,
+        allow_private=allow_private,
+    )
     scheduler.sync()
     return source
 
@@ -113,6 +131,27 @@ def _validate(
         raise InvalidJob(f"max pages per run must be from 1 to {MAX_PAGES_PER_RUN}")
 
 
+def _check_egress(url: str, allow_private: bool) -> None:
+    parts = urlsplit(url)
+    host = parts.hostname or ""
+    try:
+        addresses = egress.resolve(host, parts.port or (443 if parts.scheme == "https" else 80))
+    except egress.ResolutionError:
+        return  # not resolvable now: every request is checked when it connects anyway
+    bad = egress.refused(addresses, allow_private)
+    if bad is None:
+        return
+    if allow_private:
+        raise InvalidJob(
+            f"{host} resolves to {bad}: metadata, unspecified, multicast and reserved"
+            " addresses are refused even with --allow-private"
+        )
+    raise InvalidJob(
+        f"{host} resolves to {bad}, a loopback, private, link-local or metadata address;"
+        " add the source with --allow-private if it is one of your own hosts"
+    )
+
+
 def get_source(name: str) -> Source:
     try:
         return Source.objects.get(name=name)
@@ -143,6 +182,7 @@ def source_dict(source: Source) -> dict[str, Any]:
         "max_pages_per_run": source.max_pages_per_run,
         "refresh_days": source.refresh_days,
         "enabled": source.enabled,
+        "allow_private": source.allow_private,
         "created_at": timestamp(source.created_at),
         "disabled_at": timestamp(source.disabled_at),
         "robots_fetched_at": timestamp(source.robots_fetched_at),
@@ -158,7 +198,8 @@ def run_dict(run: DiscoveryRun) -> dict[str, Any]:
         "pages": run.pages,
         "items": run.items,
         "jobs": run.jobs,
-        "pending_pages": len(run.cursor),
+        "pending_pages": run.page_rows.filter(state=PageState.PENDING).count(),
+        "failed_pages": run.failed_pages,
         "started_at": timestamp(run.started_at),
         "finished_at": timestamp(run.finished_at),
         "error": run.error or None,

@@ -7,6 +7,11 @@ class JobsConfig(AppConfig):
     default_auto_field = "django.db.models.BigAutoField"
 
     def ready(self) -> None:
+        # django.tasks registers its system checks (and so the Tasks backend's own,
+        # holdfast.E010-E012) only once imported: import it now, so `manage.py check` on a
+        # clean start reports a bad TASKS setting instead of the first enqueue.
+        import django.tasks  # noqa: F401
+
         from . import checks, defaults, log  # noqa: F401  (checks registers on import)
 
         defaults.apply()

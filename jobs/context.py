@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import math
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -13,6 +15,7 @@ from . import engine, sql
 from .exceptions import Cancelled, LeaseLost
 from .sql import Claimed
 
+PROGRESS_INTERVAL = 1.0  # seconds: at most one progress write per job and second
 SIDE_HEARTBEAT_TIMEOUT = 10.0  # seconds ctx.heartbeat() waits for a renewal on its own
 
 
@@ -40,6 +43,8 @@ class JobContext:
         self.completed = False
         self.settling = False  # set by the worker once the handler has returned
         self.result: Any = None
+        self._pending_progress: tuple[int, int | None, str] | None = None
+        self._progress_written_at = -math.inf
         self._lease_lost = threading.Event()
         self._cancel_requested = threading.Event()
         if job.cancel_requested:  # asked while an earlier attempt ran, and not honoured
@@ -72,29 +77,31 @@ class JobContext:
     @contextmanager
     def atomic(self, complete: bool = False, result: Any = None) -> Iterator[None]:
         """A transaction whose writes commit only while this attempt holds the lease."""
-        with self._fenced(complete, result, fence_at_end=True):
-            yield
-
-    @contextmanager
-    def _fenced(self, complete: bool, result: Any, fence_at_end: bool) -> Iterator[None]:
         if self.completed:
             raise RuntimeError(f"job {self.job_id} already completed in an earlier ctx.atomic()")
+        written = None
         outermost = not connection.in_atomic_block
         try:
             with transaction.atomic():
                 engine.check_lease(self.job, idle_timeout=outermost)
                 yield
                 # The fence is the block's last statement, so it and the commit serialize
-                # with any reclaim or settle of the job row (see engine.fence).
+                # with any reclaim or settle of the job row (see engine.fence). A held-back
+                # progress write is guarded by state and lease token too, so it is a fence.
+                written = self._write_pending_progress()
                 if complete:
                     engine.complete(self.job, result)
                     # Only once it commits: inside a handler's own outer transaction that
                     # later rolls back, the job is not complete and the worker settles it.
                     transaction.on_commit(lambda: self._mark_completed(result))
-                elif fence_at_end:
+                elif written is None:
                     engine.fence(self.job_id, self.lease_token, self.job.lease_seconds)
         except LeaseLost:
             self.mark_lease_lost()
+            raise
+        except BaseException:
+            if written is not None and self._pending_progress is None:
+                self._pending_progress = written  # rolled back with the block: keep it
             raise
 
     def _mark_completed(self, result: Any) -> None:
@@ -142,8 +149,37 @@ class JobContext:
         return bool(outcome["cancel"])
 
     def progress(self, done: int, total: int | None = None, note: str = "") -> None:
-        """Record progress on the job, fenced like every other write."""
-        # The progress UPDATE is itself guarded by state and lease token and holds the job
-        # row until the commit: it is this block's fence.
-        with self._fenced(False, None, fence_at_end=False):
-            engine.record_progress(self.job, done, total, note)
+        """Record progress on the job, fenced like every other write.
+
+        Throttled to one write (and one event row and log line) per
+        ``PROGRESS_INTERVAL`` seconds; the latest value in between is kept and written by
+        the next write that happens: a later ``progress()``, the next ``ctx.atomic()``
+        block (inside its transaction, so ``complete=True`` commits it with the result), or
+        the worker before it settles the attempt. The last value is never lost.
+        """
+        if self.lease_lost:
+            raise LeaseLost(
+                f"job {self.job_id} is no longer running under lease {self.lease_token}"
+            )
+        self._pending_progress = (done, total, note)
+        if time.monotonic() - self._progress_written_at >= PROGRESS_INTERVAL:
+            self.flush_progress()
+
+    def flush_progress(self) -> None:
+        """Write the progress held back by the throttle, if any (fenced)."""
+        if self._pending_progress is not None and not self.completed:
+            with self.atomic():
+                pass  # atomic() writes the pending progress inside its transaction
+
+    def _write_pending_progress(self) -> tuple[int, int | None, str] | None:
+        """At the end of a fenced block: write the held-back progress (guarded: LeaseLost
+        if the lease is gone); returns what it wrote (the block puts it back if it rolls
+        back)."""
+        pending = self._pending_progress
+        if pending is None:
+            return None
+        done, total, note = pending
+        engine.record_progress(self.job, done, total, note)
+        self._pending_progress = None
+        self._progress_written_at = time.monotonic()
+        return pending

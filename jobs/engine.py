@@ -12,6 +12,7 @@ import hashlib
 import json
 import os
 import socket
+import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -26,7 +27,7 @@ from django.db.models.functions import Now
 from django.utils import timezone
 
 from . import lanes as lane_config
-from . import sql
+from . import retention, sql
 from .exceptions import (
     InvalidJob,
     JobNotFound,
@@ -590,8 +591,15 @@ def cancelled(job: Claimed) -> None:
     settle(job, CANCELLED)
 
 
+# When each attempt this process claimed began (monotonic), for its settle's duration_ms.
+_claimed_at: dict[int, float] = {}
+# A settle's log level: a dead job wants someone's attention, a retry is a warning.
+SETTLE_LEVELS = {"job_dead": "error", "job_retry_scheduled": "warning"}
+
+
 def _log_claimed(job: Claimed | None, worker_id: str) -> None:
     if job is not None:
+        _claimed_at[job.lease_id] = time.monotonic()
         log.info(
             "job_claimed",
             expires_at=job.lease_expires_at.isoformat(),
@@ -601,8 +609,13 @@ def _log_claimed(job: Claimed | None, worker_id: str) -> None:
 
 def _log_settled(job: Claimed, verdict: Verdict, settled: bool) -> bool:
     identity = job_log_context(job)
+    started = _claimed_at.pop(job.lease_id, None)
+    if started is not None:
+        identity["duration_ms"] = round((time.monotonic() - started) * 1000, 1)
     if settled:
-        log.info(verdict.event, **identity, **verdict.fields)
+        getattr(log, SETTLE_LEVELS.get(verdict.event, "info"))(
+            verdict.event, **identity, **verdict.fields
+        )
     else:
         log.warning("lease_lost", during=verdict.event, **identity)
     return settled
@@ -931,19 +944,7 @@ def prune(older_than: timedelta, include_dead: bool = False, batch: int = 5000) 
     so that no single transaction holds the table for long; returns how many went.
     """
     states = [State.SUCCEEDED, State.CANCELLED] + ([State.DEAD] if include_dead else [])
-    cutoff = Now() - older_than
-    deleted = 0
-    while True:
-        with transaction.atomic():
-            ids = list(
-                Job.objects.filter(state__in=states, finished_at__lt=cutoff)
-                .order_by("finished_at")
-                .values_list("pk", flat=True)[:batch]
-            )
-            if not ids:
-                break
-            Job.objects.filter(pk__in=ids, state__in=states).delete()
-            deleted += len(ids)
+    deleted = sum(retention.prune(dict.fromkeys(states, older_than), batch=batch).values())
     log.info(
         "jobs_pruned",
         count=deleted,

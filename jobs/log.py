@@ -3,6 +3,11 @@
 Every state transition logs one event; the job's identity (job id, kind, lane, attempt,
 lease token, worker id) is bound with ``structlog.contextvars`` while the job runs, so
 every line a handler logs carries it too.
+
+Standard-library logging (``django.request`` with a 500's traceback, ``django.security``,
+``py.warnings``, third-party libraries) goes through the same renderer: the ``LOGGING``
+setting (``config/settings.py``) sends every record to one stderr handler formatted by
+:class:`StdlibFormatter`, whatever ``DEBUG`` is.
 """
 
 from __future__ import annotations
@@ -13,21 +18,61 @@ from typing import Any
 
 import structlog
 from django.conf import settings
+from structlog.typing import EventDict
 
 _configured = False
+
+
+def _renderer() -> Any:
+    fmt = settings.LOG_FORMAT or ("console" if sys.stderr.isatty() else "json")
+    if fmt == "json":
+        return structlog.processors.JSONRenderer()
+    return structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())
+
+
+def _from_record(logger: Any, method: str, event_dict: EventDict) -> EventDict:
+    """A standard-library record's useful extras: its logger, and the HTTP request's
+    method, path and status that ``django.request`` and ``django.security`` attach."""
+    record = event_dict.get("_record")
+    if record is None:
+        return event_dict
+    event_dict["logger"] = record.name
+    request = getattr(record, "request", None)
+    if request is not None and hasattr(request, "path"):
+        event_dict.setdefault("method", getattr(request, "method", None))
+        event_dict.setdefault("path", request.path)
+    status = getattr(record, "status_code", None)
+    if status is not None:
+        event_dict.setdefault("status", status)
+    return event_dict
+
+
+class StdlibFormatter(structlog.stdlib.ProcessorFormatter):
+    """Renders standard-library records exactly as structlog's own lines (JSON or console),
+    traceback included (``exception``)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(
+            processors=[
+                structlog.stdlib.ProcessorFormatter.remove_processors_meta,
+                structlog.processors.format_exc_info,
+                _renderer(),
+            ],
+            foreign_pre_chain=[
+                structlog.contextvars.merge_contextvars,
+                structlog.processors.add_log_level,
+                structlog.processors.TimeStamper(fmt="iso", utc=True),
+                _from_record,
+            ],
+        )
 
 
 def configure(force: bool = False) -> None:
     global _configured
     if _configured and not force:
         return
-    fmt = settings.LOG_FORMAT or ("console" if sys.stderr.isatty() else "json")
     level = logging.getLevelNamesMapping().get(settings.LOG_LEVEL, logging.INFO)
-    renderer: Any = (
-        structlog.processors.JSONRenderer()
-        if fmt == "json"
-        else structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())
-    )
+    renderer = _renderer()
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,

@@ -230,3 +230,37 @@ class Schedule(models.Model):
 
     def __str__(self) -> str:
         return f"schedule {self.name} ({self.cron or f'every {self.every:g}s'})"
+
+
+# Upper bounds (seconds) of the attempt-duration histogram's buckets; index len() is +Inf.
+# Changing them re-labels the stored counts: only ever append larger bounds.
+DURATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 900, 3600)
+ATTEMPT_COUNT_SHARDS = 16  # rows per (kind, outcome, bucket): concurrent settles spread out
+
+
+class AttemptCount(models.Model):
+    """How many attempts of a kind ended with an outcome, by duration bucket: the metrics'
+    counters (``holdfast_job_attempts_total``, ``holdfast_job_duration_seconds``).
+
+    The settle statement (``jobs.sql``) and reclaim add to a row in the same transaction
+    that records the attempt's outcome, so the counts are exact, survive restarts and are
+    never touched by pruning. ``shard`` (the backend's pid modulo ``ATTEMPT_COUNT_SHARDS``)
+    keeps concurrent workers off each other's row locks; readers sum over it.
+    """
+
+    kind = models.CharField(max_length=200)
+    outcome = models.CharField(max_length=16, choices=Outcome.choices)
+    bucket = models.PositiveSmallIntegerField()  # index into DURATION_BUCKETS; len() is +Inf
+    shard = models.PositiveSmallIntegerField(default=0)
+    count = models.BigIntegerField(default=0)
+    seconds = models.FloatField(default=0.0)  # the attempts' summed durations
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(
+                fields=["kind", "outcome", "bucket", "shard"], name="attempt_count_key"
+            )
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.count} {self.kind} attempts {self.outcome} (bucket {self.bucket})"

@@ -11,6 +11,7 @@ committed. Time is the database clock.
 from __future__ import annotations
 
 import threading
+import time
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -18,7 +19,7 @@ from django.db import IntegrityError, InterfaceError, OperationalError, connecti
 from django.db.models import F
 from django.db.models.functions import Now
 
-from . import engine
+from . import engine, retention
 from .exceptions import HoldfastError
 from .log import get_logger
 from .models import CatchUp, Job, Schedule
@@ -205,6 +206,7 @@ class SchedulerLoop:
 
     def __init__(self, stop: threading.Event | None = None) -> None:
         self.stop = stop or threading.Event()
+        self.retention = retention.Retention()
 
     def run(self) -> None:
         delay = 0.5
@@ -233,6 +235,7 @@ class SchedulerLoop:
         engine.reclaim_expired()
         now = engine.db_now()
         tick(now)
+        self.retention.run_if_due(time.monotonic())  # built-in retention, batched
         upcoming = (
             Schedule.objects.filter(declared=True, paused=False)
             .order_by("next_due_at")

@@ -29,7 +29,7 @@ from django.db import IntegrityError, connection, transaction
 from django.db.models import Count
 from django.utils.dateparse import parse_datetime
 
-from .models import Job
+from .models import ATTEMPT_COUNT_SHARDS, DURATION_BUCKETS, Job
 
 
 @dataclass(frozen=True)
@@ -123,9 +123,22 @@ candidate AS (
     FROM claimed
 )"""
 
-# The settle, as CTEs: fenced by state and lease token; the lease row, the lock release and
-# the event are written only if the job row was.
-PG_SETTLE_CTES = """
+
+def _bucket(seconds: str) -> str:
+    """SQL: the index in ``DURATION_BUCKETS`` of the bucket holding ``seconds``."""
+    cases = " ".join(f"WHEN {seconds} <= {b} THEN {i}" for i, b in enumerate(DURATION_BUCKETS))
+    return f"CASE {cases} ELSE {len(DURATION_BUCKETS)} END"
+
+
+SHARDS = ATTEMPT_COUNT_SHARDS
+# An attempt's duration, claim to now, on the database clock (the lease row of job_id, token).
+PG_ATTEMPT_SECONDS = """
+SELECT greatest(0, extract(epoch FROM statement_timestamp() - acquired_at))::float8 AS s
+FROM jobs_lease WHERE job_id = %(job_id)s::bigint AND lease_token = %(token)s::bigint"""
+
+# The settle, as CTEs: fenced by state and lease token; the lease row, the lock release,
+# the event and the attempt counter (metrics) are written only if the job row was.
+PG_SETTLE_CTES = f"""
 settled AS (
     UPDATE jobs_job SET
         state = %(state)s::text,
@@ -158,6 +171,13 @@ settled AS (
            jsonb_build_object('state', %(state)s::text, 'outcome', %(outcome)s::text,
                               'cancel_requested', settled.cancel_requested)
     FROM settled CROSS JOIN settled_lease
+), counted AS (
+    INSERT INTO jobs_attemptcount (kind, outcome, bucket, shard, count, seconds)
+    SELECT %(kind)s::text, %(outcome)s::text, {_bucket("took.s")}, mod(pg_backend_pid(), {SHARDS}),
+           1, took.s
+    FROM settled CROSS JOIN ({PG_ATTEMPT_SECONDS}) AS took
+    ON CONFLICT (kind, outcome, bucket, shard) DO UPDATE SET
+        count = jobs_attemptcount.count + 1, seconds = jobs_attemptcount.seconds + EXCLUDED.seconds
 )"""
 
 PG_CLAIM = f"""
@@ -267,6 +287,41 @@ UPDATE jobs_job SET
 WHERE id = %(job_id)s AND state = 'running' AND lease_token = %(token)s
 RETURNING cancel_requested
 """
+
+# The attempt counters (metrics): one upsert per ended attempt, in its settle's transaction.
+SQLITE_COUNT_ATTEMPT = f"""
+INSERT INTO jobs_attemptcount (kind, outcome, bucket, shard, count, seconds)
+SELECT %(kind)s, %(outcome)s, {_bucket("took.s")}, 0, 1, took.s
+FROM (SELECT max(0.0, (julianday('now') - julianday(acquired_at)) * 86400.0) AS s
+      FROM jobs_lease WHERE job_id = %(job_id)s AND lease_token = %(token)s) AS took
+WHERE true
+ON CONFLICT (kind, outcome, bucket, shard) DO UPDATE SET
+    count = count + 1, seconds = seconds + excluded.seconds
+"""
+
+PG_COUNT_ATTEMPT = f"""
+INSERT INTO jobs_attemptcount (kind, outcome, bucket, shard, count, seconds)
+SELECT %(kind)s::text, %(outcome)s::text, {_bucket("took.s")}, mod(pg_backend_pid(), {SHARDS}),
+       1, took.s
+FROM ({PG_ATTEMPT_SECONDS}) AS took
+ON CONFLICT (kind, outcome, bucket, shard) DO UPDATE SET
+    count = jobs_attemptcount.count + 1, seconds = jobs_attemptcount.seconds + EXCLUDED.seconds
+"""
+
+
+def count_attempt(kind: str, outcome: str, job_id: int, lease_token: int) -> None:
+    """Count an attempt ended outside the settle statement (reclaim), in the caller's
+    transaction."""
+    statement = PG_COUNT_ATTEMPT if is_postgres() else SQLITE_COUNT_ATTEMPT
+    params: dict[str, Any] = {
+        "kind": kind,
+        "outcome": outcome,
+        "job_id": job_id,
+        "token": lease_token,
+    }
+    with connection.cursor() as cursor:
+        cursor.execute(statement, params)
+
 
 SQLITE_SETTLE_LEASE = f"""
 UPDATE jobs_lease SET
@@ -448,7 +503,7 @@ SET LOCAL lock_timeout TO '{ENGINE_LOCK_TIMEOUT_MS}ms';
 SET LOCAL statement_timeout TO '{RECLAIM_STATEMENT_TIMEOUT_MS}ms';
 """
 
-PG_RECLAIM = """
+PG_RECLAIM = f"""
 WITH expired AS (
     SELECT id, lease_token, leased_by, heartbeat_at, lease_expires_at
     FROM jobs_job
@@ -490,6 +545,19 @@ WITH expired AS (
 ), freed AS (
     DELETE FROM jobs_joblock USING reclaimed
     WHERE jobs_joblock.job_id = reclaimed.id AND jobs_joblock.lease_token = reclaimed.lease_token
+), took AS (
+    SELECT reclaimed.kind,
+           greatest(0, extract(epoch FROM statement_timestamp() - lease.acquired_at))::float8 AS s
+    FROM reclaimed JOIN jobs_lease AS lease
+         ON lease.job_id = reclaimed.id AND lease.lease_token = reclaimed.lease_token
+), counted AS (
+    INSERT INTO jobs_attemptcount (kind, outcome, bucket, shard, count, seconds)
+    SELECT kind, 'lease_expired', bucket, mod(pg_backend_pid(), {SHARDS}), count(*), sum(s)
+    FROM (SELECT kind, s, {_bucket("s")} AS bucket FROM took) AS bucketed
+    GROUP BY kind, bucket
+    ON CONFLICT (kind, outcome, bucket, shard) DO UPDATE SET
+        count = jobs_attemptcount.count + EXCLUDED.count,
+        seconds = jobs_attemptcount.seconds + EXCLUDED.seconds
 ), logged AS (
     INSERT INTO jobs_jobevent (job_id, at, event, lease_token, worker_id, data)
     SELECT reclaimed.id, statement_timestamp(), e.event, reclaimed.lease_token,
@@ -514,7 +582,8 @@ LIMIT %(limit)s
 """
 
 # The rest of a SQLite reclaim, inside the same BEGIN IMMEDIATE: every expired row at once,
-# from one JSON parameter ([id, token, state, last_error, lease message, finished] rows).
+# from one JSON parameter ([id, token, state, last_error, lease message, finished, kind]
+# rows); the attempt counters (metrics) get one upsert per kind and duration bucket.
 SQLITE_RECLAIM_JOBS = f"""
 UPDATE jobs_job SET
     state = json_extract(r.value, '$[2]'),
@@ -542,6 +611,21 @@ SQLITE_RECLAIM_LOCKS = """
 DELETE FROM jobs_joblock
 WHERE (job_id, lease_token) IN (SELECT json_extract(value, '$[0]'), json_extract(value, '$[1]')
                                 FROM json_each(%(rows)s))
+"""
+
+SQLITE_RECLAIM_COUNTS = f"""
+INSERT INTO jobs_attemptcount (kind, outcome, bucket, shard, count, seconds)
+SELECT kind, 'lease_expired', bucket, 0, count(*), sum(s)
+FROM (SELECT kind, s, {_bucket("s")} AS bucket
+      FROM (SELECT json_extract(r.value, '$[6]') AS kind,
+                   max(0.0, (julianday('now') - julianday(lease.acquired_at)) * 86400.0) AS s
+            FROM json_each(%(rows)s) AS r JOIN jobs_lease AS lease
+                 ON lease.job_id = json_extract(r.value, '$[0]')
+                AND lease.lease_token = json_extract(r.value, '$[1]')))
+WHERE true
+GROUP BY kind, bucket
+ON CONFLICT (kind, outcome, bucket, shard) DO UPDATE SET
+    count = count + excluded.count, seconds = seconds + excluded.seconds
 """
 
 SQLITE_RECLAIM_EVENTS = f"""
@@ -617,7 +701,7 @@ def _sqlite_reclaim(limit: int, job_id: int | None, cancel: bool, actor: str) ->
             else:
                 state = "dead" if attempts >= max_attempts else "queued"
                 error = f"LeaseExpired: {account}"
-            rows.append([pk, token, state, error, account, state != "queued"])
+            rows.append([pk, token, state, error, account, state != "queued", kind])
             who = worker or ""
             beat_data = json.dumps({"last_heartbeat_at": beat}, default=str)
             end_data = json.dumps({"expired_at": expiry, "state": state}, default=str)
@@ -629,6 +713,7 @@ def _sqlite_reclaim(limit: int, job_id: int | None, cancel: bool, actor: str) ->
         cursor.execute(SQLITE_RECLAIM_LEASES, batch)
         cursor.execute(SQLITE_RECLAIM_LOCKS, batch)
         cursor.execute(SQLITE_RECLAIM_EVENTS, batch)
+        cursor.execute(SQLITE_RECLAIM_COUNTS, batch)
     return reclaimed
 
 
@@ -735,6 +820,7 @@ def _sqlite_settle_and_claim(
                 cursor.execute(SQLITE_SETTLE_LEASE, params)
                 (worker,) = cursor.fetchone()
                 cursor.execute(SQLITE_RELEASE_LOCKS, params)
+                cursor.execute(SQLITE_COUNT_ATTEMPT, params)
                 data = {"state": params["state"], "outcome": params["outcome"]}
                 data["cancel_requested"] = bool(job_row[0])
                 event = {"event": "settled", "worker": worker, "data": json.dumps(data)}
@@ -829,6 +915,7 @@ def _kind_filter(kinds: Sequence[str] | None, params: dict[str, Any]) -> str:
 def _settle_params(job: Claimed, how: Settlement) -> dict[str, Any]:
     return {
         "job_id": job.id,
+        "kind": job.kind,
         "token": job.lease_token,
         "lease_id": job.lease_id,
         "state": how.state,

@@ -216,6 +216,8 @@ class WorkerProcess:
         structlog.contextvars.bind_contextvars(**bound)
         try:
             verdict = self._execute(job, ctx)
+            if verdict is not None:
+                self._quietly(functools.partial(_flush_progress, ctx))  # throttle's last value
             ctx.settling = True  # from here on a heartbeat may rightly find the job settled
             if ctx.cancel_requested and verdict is not engine.CANCELLED:
                 # Recorded on the job too: its `settled` event says cancel_requested.
@@ -447,6 +449,11 @@ class WorkerProcess:
             connection.close()
         except Exception:
             log.exception("background_step_failed")
+
+
+def _flush_progress(ctx: JobContext) -> None:
+    with contextlib.suppress(LeaseLost):  # the settle finds that out and logs it
+        ctx.flush_progress()
 
 
 @functools.cache

@@ -12,7 +12,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from django.conf import settings
 from django.core.exceptions import PermissionDenied as DjangoPermissionDenied
+from django.core.exceptions import (
+    RequestDataTooBig,
+    SuspiciousOperation,
+    TooManyFieldsSent,
+)
 from django.db import InterfaceError, OperationalError
 from django.http import Http404, HttpRequest, JsonResponse
 from rest_framework import exceptions, status
@@ -21,6 +27,8 @@ from rest_framework.views import set_rollback
 
 from jobs.exceptions import HoldfastError, InvalidJob, StateConflict
 from jobs.log import get_logger
+
+from .authentication import client_address
 
 log = get_logger("ops.api")
 
@@ -34,6 +42,12 @@ class Conflict(exceptions.APIException):
     status_code = status.HTTP_409_CONFLICT
     default_code = "conflict"
     default_detail = "the resource's state does not allow this"
+
+
+class PayloadTooLarge(exceptions.APIException):
+    status_code = status.HTTP_413_REQUEST_ENTITY_TOO_LARGE
+    default_code = "too_large"
+    default_detail = "the request body is larger than this API accepts"
 
 
 class DatabaseUnavailable(exceptions.APIException):
@@ -70,6 +84,16 @@ def as_api_exception(exc: Exception) -> exceptions.APIException | None:
     """The API error an exception stands for, or None for a bug (left to Django: a 500)."""
     if isinstance(exc, exceptions.APIException):
         return exc
+    if isinstance(exc, RequestDataTooBig):
+        return PayloadTooLarge(
+            f"the request body is larger than {settings.DATA_UPLOAD_MAX_MEMORY_SIZE} bytes"
+        )
+    if isinstance(exc, TooManyFieldsSent):
+        return exceptions.ParseError(
+            f"more than {settings.DATA_UPLOAD_MAX_NUMBER_FIELDS} parameters", code="invalid"
+        )
+    if isinstance(exc, SuspiciousOperation):
+        return exceptions.ParseError(str(exc) or "bad request", code="bad_request")
     if isinstance(exc, Http404):
         return exceptions.NotFound(str(exc) or None)
     if isinstance(exc, DjangoPermissionDenied):
@@ -122,6 +146,14 @@ def exception_handler(exc: Exception, context: dict[str, Any]) -> Response | Non
         }
     if isinstance(api_exc, DatabaseUnavailable):
         log.warning("api_database_unavailable", error=f"{type(exc).__name__}: {exc}", **where)
+    elif isinstance(api_exc, exceptions.NotAuthenticated):
+        log.info(
+            "api_auth_failed",
+            reason="no token",
+            token_prefix=None,
+            client=client_address(request),
+            **where,
+        )
     elif isinstance(api_exc, exceptions.PermissionDenied):
         principal = getattr(request, "user", None)
         log.info("api_forbidden", token=getattr(principal, "name", None), **where)
@@ -130,6 +162,23 @@ def exception_handler(exc: Exception, context: dict[str, Any]) -> Response | Non
 
 
 # --- Django's handlers, for URLs that reach no API view ---------------------------------
+
+
+def bad_request(request: HttpRequest, exception: Exception | None = None) -> JsonResponse:
+    """Django's 400 (a bad ``Host`` header, a body or query string over Django's limits,
+    raised before any view runs), as JSON; an oversized body is a 413."""
+    if isinstance(exception, RequestDataTooBig):
+        message = f"the request body is larger than {settings.DATA_UPLOAD_MAX_MEMORY_SIZE} bytes"
+        return JsonResponse({"error": message, "code": "too_large"}, status=413)
+    if isinstance(exception, TooManyFieldsSent):
+        message = f"more than {settings.DATA_UPLOAD_MAX_NUMBER_FIELDS} parameters"
+        return JsonResponse({"error": message, "code": "invalid"}, status=400)
+    message = one_line(str(exception)) if exception is not None and str(exception) else ""
+    return JsonResponse({"error": message or "bad request", "code": "bad_request"}, status=400)
+
+
+def forbidden(request: HttpRequest, exception: Exception | None = None) -> JsonResponse:
+    return JsonResponse({"error": "forbidden", "code": "permission_denied"}, status=403)
 
 
 def not_found(request: HttpRequest, exception: Exception | None = None) -> JsonResponse:

@@ -21,6 +21,7 @@ class OpsToken(models.Model):
     created_at = models.DateTimeField(db_default=Now())
     last_used_at = models.DateTimeField(null=True, blank=True)
     revoked_at = models.DateTimeField(null=True, blank=True)
+    expires_at = models.DateTimeField(null=True, blank=True)  # None: never
 
     class Meta:
         constraints = [

@@ -392,8 +392,16 @@ class HealthSpool(serializers.Serializer):
     grace_s = serializers.FloatField(required=False, help_text="with stale: the grace period")
 
 
+class HealthReason(serializers.Serializer):
+    code = serializers.ChoiceField(
+        choices=["no_live_worker", "spool_overdue", "ingester_stuck", "spool_unreadable"]
+    )
+    detail = serializers.CharField(help_text="one line for the operator")
+
+
 class HealthResponse(serializers.Serializer):
-    status = serializers.ChoiceField(choices=["ok", "down"])
+    status = serializers.ChoiceField(choices=["ok", "failing", "down"])
+    reasons = HealthReason(many=True, required=False, help_text="with a token only")
     database = serializers.ChoiceField(
         choices=["ok"], required=False, help_text="with a token only"
     )

@@ -13,7 +13,8 @@ import hmac
 import re
 import secrets
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import datetime, timedelta
+from typing import Any
 
 from django.db import IntegrityError, transaction
 from django.db.models.functions import Now
@@ -21,6 +22,7 @@ from django.utils import timezone
 
 from jobs.exceptions import HoldfastError, InvalidJob
 from jobs.log import get_logger
+from jobs.serialization import timestamp
 
 from .models import OpsToken, Scope
 
@@ -53,8 +55,13 @@ def _digest(salt: str, token: str) -> str:
     return hashlib.sha256(f"{salt}:{token}".encode()).hexdigest()
 
 
-def create(name: str, scope: str) -> tuple[OpsToken, str]:
-    """Issue a token; returns the row and the plain token, which is never shown again."""
+def create(name: str, scope: str, expires_in: timedelta | None = None) -> tuple[OpsToken, str]:
+    """Issue a token; returns the row and the plain token, which is never shown again.
+
+    With ``expires_in`` the token is refused (like a revoked one) once that time passed.
+    """
+    if expires_in is not None and expires_in <= timedelta(0):
+        raise InvalidJob("--expires-in must be a positive duration")
     if not NAME_PATTERN.fullmatch(name):
         raise InvalidJob(
             f"token name {name!r} must be 1-100 letters, digits or _ . @ - "
@@ -68,11 +75,22 @@ def create(name: str, scope: str) -> tuple[OpsToken, str]:
     try:
         with transaction.atomic():
             row = OpsToken.objects.create(
-                name=name, scope=scope, prefix=prefix, salt=salt, digest=_digest(salt, token)
+                name=name,
+                scope=scope,
+                prefix=prefix,
+                salt=salt,
+                digest=_digest(salt, token),
+                expires_at=None if expires_in is None else timezone.now() + expires_in,
             )
     except IntegrityError:
         raise InvalidJob(f"a live token named {name!r} exists; revoke it first") from None
-    log.info("ops_token_created", name=name, scope=scope, prefix=prefix)
+    log.info(
+        "ops_token_created",
+        name=name,
+        scope=scope,
+        prefix=prefix,
+        expires_at=row.expires_at.isoformat() if row.expires_at else None,
+    )
     return row, token
 
 
@@ -87,15 +105,65 @@ def revoke(name: str) -> OpsToken:
     return row
 
 
-def authenticate(token: str) -> Principal | None:
-    """The caller behind ``token``, or None for a malformed, unknown or revoked token."""
+@dataclass(frozen=True)
+class Verdict:
+    """What checking a token found: the caller, or why it was refused."""
+
+    principal: Principal | None
+    reason: str = ""  # malformed | unknown | revoked | expired | wrong secret
+    prefix: str | None = None  # as parsed from a well-formed token; never the secret
+
+
+def check(token: str) -> Verdict:
+    """Check ``token``: its caller, or the reason it is refused (for the log, not the
+    client: the client only learns that it was refused)."""
     match = TOKEN_PATTERN.fullmatch(token)
     if match is None:
-        return None
-    row = OpsToken.objects.filter(prefix=match[1], revoked_at__isnull=True).first()
-    if row is None or not hmac.compare_digest(row.digest, _digest(row.salt, token)):
-        return None
+        return Verdict(None, "malformed")
+    prefix = match[1]
+    row = OpsToken.objects.filter(prefix=prefix).first()
+    if row is None:
+        return Verdict(None, "unknown", prefix)
+    if not hmac.compare_digest(row.digest, _digest(row.salt, token)):
+        return Verdict(None, "wrong secret", prefix)
+    if row.revoked_at is not None:
+        return Verdict(None, "revoked", prefix)
     now = timezone.now()
+    if row.expires_at is not None and row.expires_at <= now:
+        return Verdict(None, "expired", prefix)
     if row.last_used_at is None or now - row.last_used_at >= LAST_USED_RESOLUTION:
         OpsToken.objects.filter(pk=row.pk).update(last_used_at=Now())
-    return Principal(name=row.name, scope=row.scope)
+    return Verdict(Principal(name=row.name, scope=row.scope), prefix=prefix)
+
+
+def authenticate(token: str) -> Principal | None:
+    """The caller behind ``token``, or None for a malformed, unknown, revoked or expired
+    token."""
+    return check(token).principal
+
+
+def status(row: OpsToken, now: datetime | None = None) -> str:
+    """``live``, ``expired`` or ``revoked``."""
+    if row.revoked_at is not None:
+        return "revoked"
+    if row.expires_at is not None and row.expires_at <= (now or timezone.now()):
+        return "expired"
+    return "live"
+
+
+def listing() -> list[dict[str, Any]]:
+    """Every token, newest first, as ``list_ops_tokens --json`` shows it: never a secret."""
+    now = timezone.now()
+    return [
+        {
+            "name": row.name,
+            "scope": row.scope,
+            "prefix": row.prefix,
+            "status": status(row, now),
+            "created_at": timestamp(row.created_at),
+            "last_used_at": timestamp(row.last_used_at),
+            "expires_at": timestamp(row.expires_at),
+            "revoked_at": timestamp(row.revoked_at),
+        }
+        for row in OpsToken.objects.order_by("-created_at", "-pk")
+    ]

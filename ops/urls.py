@@ -21,5 +21,6 @@ urlpatterns = [
     ),
     path("search/", views.SearchView.as_view(), name="search"),
     path("health/", views.HealthView.as_view(), name="health"),
+    path("metrics/", views.MetricsView.as_view(), name="metrics"),
     path("schema/", SchemaView.as_view(), name="schema"),
 ]

@@ -12,16 +12,18 @@ import math
 import os
 import time
 from collections.abc import Callable
-from datetime import timedelta
 from typing import Any, ClassVar
 
 from django.conf import settings
 from django.db import connection, transaction
-from django.db.models import Count, Q, QuerySet
+from django.db.models import QuerySet
+from django.http import HttpResponse
 from drf_spectacular.utils import OpenApiExample, OpenApiResponse, extend_schema
+from prometheus_client.exposition import choose_encoder
 from rest_framework import serializers
 from rest_framework.exceptions import NotAuthenticated, NotFound, ValidationError
 from rest_framework.permissions import AllowAny
+from rest_framework.renderers import BaseRenderer, JSONRenderer
 from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.utils.urls import replace_query_param
@@ -32,13 +34,12 @@ from ingestion.spool import grace_seconds
 from jobs import engine
 from jobs.exceptions import InvalidJob
 from jobs.log import get_logger
-from jobs.models import Worker
 from jobs.serialization import job_detail_dict, job_dict
-from jobs.status import STALE_WORKER_FLOOR_SECONDS, queue_status
+from jobs.status import queue_status
 
-from . import schema
+from . import metrics, schema
 from .authentication import BearerTokenAuthentication
-from .exceptions import DATABASE_DOWN
+from .exceptions import DATABASE_DOWN, one_line
 from .serializers import (
     PAGE_SIZE_DEFAULT,
     DeadJobsQuery,
@@ -302,8 +303,35 @@ class SearchView(OpsView):
         return Response({"count": len(hits), "hits": [search.hit_dict(hit) for hit in hits]})
 
 
+class MetricsView(OpsView):
+    """Prometheus's scrape target: every figure read from the database (``ops.metrics``)."""
+
+    @extend_schema(
+        operation_id="metrics",
+        tags=["health"],
+        summary="Prometheus metrics (text exposition format)",
+        description="Read scope. Prometheus text format, or OpenMetrics when the `Accept` "
+        "header asks for it. Counters are kept in the database: they only grow, across API "
+        'restarts and job pruning. See docs/operations.md, "Metrics".',
+        responses={
+            (200, "text/plain"): OpenApiResponse(str, description="the metrics"),
+            **schema.READ_ERRORS,
+        },
+    )
+    def get(self, request: Request) -> HttpResponse:
+        encoder, content_type = choose_encoder(request.headers.get("Accept", ""))
+        return HttpResponse(encoder(metrics.registry()), content_type=content_type)
+
+    def perform_content_negotiation(
+        self, request: Request, force: bool = False
+    ) -> tuple[BaseRenderer, str]:
+        # The body is Prometheus's format whatever was asked (get() picks the variant);
+        # errors (401, 403, 503) are JSON like every other error of the API.
+        return JSONRenderer(), "application/json"
+
+
 class HealthView(OpsView):
-    """Up or down for anyone; details for a token holder."""
+    """200 ``ok``, or 503 when something needs a human; details for a token holder."""
 
     authentication_classes = [BearerTokenAuthentication]
     permission_classes = [AllowAny]
@@ -312,23 +340,39 @@ class HealthView(OpsView):
         operation_id="health",
         tags=["health"],
         summary="Liveness and readiness",
-        description="Without a token: only `status`. With a valid token (read or write): also "
-        "the database, worker heartbeats and the spool's backlog. A bad token is a 401 here too. "
-        'When the database is unreachable: 503 with only `{"status": "down"}`.',
+        description="200 `ok`; 503 `failing` when no worker is live, the spool is overdue or "
+        "the ingester is stuck (not taking files), 503 `down` when the database is "
+        "unreachable. Without a token: only `status`. With a valid token (read or write): "
+        "also `reasons` (each with a `code` and a one-line `detail`), the database, worker "
+        "heartbeats and the spool's backlog. A bad token is a 401 here too. When the "
+        'database is unreachable: 503 with only `{"status": "down"}`.',
         responses={
             200: HealthResponse,
             400: schema.BAD_INPUT,
             401: schema.UNAUTHENTICATED,
-            503: OpenApiResponse(HealthResponse, description="down: the database is unreachable"),
+            503: OpenApiResponse(
+                HealthResponse, description="failing (see `reasons`), or down: no database"
+            ),
         },
     )
     def get(self, request: Request) -> Response:
         with connection.cursor() as cursor:  # raises if the database is unreachable
             cursor.execute("SELECT 1")
+        workers, spool = worker_health(), spool_health()
+        reasons = health_reasons(workers, spool)
+        status = "failing" if reasons else "ok"
+        code = 503 if reasons else 200
         if not isinstance(request.user, Principal):
-            return Response({"status": "ok"})
+            return Response({"status": status}, status=code)
         return Response(
-            {"status": "ok", "database": "ok", "workers": worker_health(), "spool": spool_health()}
+            {
+                "status": status,
+                "reasons": reasons,
+                "database": "ok",
+                "workers": workers,
+                "spool": spool,
+            },
+            status=code,
         )
 
     def handle_exception(self, exc: Exception) -> Response:
@@ -340,15 +384,49 @@ class HealthView(OpsView):
         return super().handle_exception(exc)
 
 
+def health_reasons(workers: dict[str, Any], spool: dict[str, Any]) -> list[dict[str, str]]:
+    """Why ``health/`` is failing (empty: it is not), each ``{code, detail}``."""
+    reasons = []
+    if not workers["live"]:
+        reasons.append(
+            {
+                "code": "no_live_worker",
+                "detail": f"no worker has sent a heartbeat in the last "
+                f"{workers['stale_after_s']:g} s ({workers['stale']} registered worker(s) gone)",
+            }
+        )
+    age = spool.get("oldest_age_s")
+    if spool.get("stale"):
+        reasons.append(
+            {
+                "code": "spool_overdue",
+                "detail": f"the oldest submission in incoming/ has waited {age:.0f} s, longer "
+                f"than the grace period of {spool['grace_s']:g} s: the ingester stops on it",
+            }
+        )
+    stuck_after = float(settings.HOLDFAST_SPOOL_STUCK_SECONDS)
+    if stuck_after and age is not None and age > stuck_after:
+        reasons.append(
+            {
+                "code": "ingester_stuck",
+                "detail": f"{spool['pending']} submission(s) wait in incoming/, the oldest for "
+                f"{age:.0f} s (HOLDFAST_SPOOL_STUCK_SECONDS is {stuck_after:g}): no ingester "
+                "is taking them",
+            }
+        )
+    if spool.get("error"):
+        reasons.append({"code": "spool_unreadable", "detail": one_line(spool["error"])})
+    return reasons
+
+
 def worker_health() -> dict[str, Any]:
     """Workers not stopped, split by whether their heartbeat is recent (as queue_status)."""
-    stale_after = max(STALE_WORKER_FLOOR_SECONDS, float(settings.HOLDFAST_LEASE_SECONDS))
-    cutoff = engine.db_now() - timedelta(seconds=stale_after)
-    counts = Worker.objects.filter(stopped_at__isnull=True).aggregate(
-        live=Count("pk", filter=Q(heartbeat_at__gte=cutoff)),
-        stale=Count("pk", filter=Q(heartbeat_at__lt=cutoff)),
-    )
-    return {"live": counts["live"], "stale": counts["stale"], "stale_after_s": stale_after}
+    counts = metrics.worker_counts()
+    return {
+        "live": counts["live"],
+        "stale": counts["gone"],
+        "stale_after_s": counts["stale_after_s"],
+    }
 
 
 def spool_health() -> dict[str, Any]:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 from datetime import timedelta
 from typing import Any
 
@@ -16,6 +15,7 @@ from django.core.exceptions import ImproperlyConfigured
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db import DatabaseError
 
+from jobs import durations
 from jobs.exceptions import (
     InvalidJob,
     JobNotFound,
@@ -73,18 +73,12 @@ class JobsCommand(BaseCommand):
         self.stdout.write(json.dumps(data, indent=2, default=str))
 
 
-DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
-
-
 def parse_duration(text: str) -> timedelta:
     """``14d``, ``12h``, ``30m``, ``90s`` or ``2w`` as a timedelta; bad input otherwise."""
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhdw])\s*", text)
-    if match is None:
-        raise bad_input(f"not a duration: {text!r} (use e.g. 14d, 12h, 30m, 90s, 2w)")
     try:
-        return timedelta(seconds=float(match[1]) * DURATION_UNITS[match[2]])
-    except OverflowError:
-        raise bad_input(f"duration {text!r} is too long") from None
+        return durations.parse(text)
+    except ValueError as exc:
+        raise bad_input(str(exc)) from None
 
 
 MAX_ROW_ID = 2**63 - 1

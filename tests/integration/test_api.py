@@ -219,7 +219,12 @@ def test_a_token_use_is_recorded_as_last_used(client, api_tokens):
     assert OpsToken.objects.get(name="reader").last_used_at is not None
 
 
-def test_health_without_a_token_says_only_up(client, world):
+@pytest.fixture
+def live_worker() -> Worker:
+    return Worker.objects.create(id="live", host="h", pid=1)
+
+
+def test_health_without_a_token_says_only_up(client, world, live_worker):
     response = call(client, "GET", "health/")
     assert response.status_code == 200
     assert response.json() == {"status": "ok"}
@@ -235,11 +240,11 @@ def test_health_with_a_bad_token_is_401_and_reveals_nothing(client, api_tokens, 
 
 
 @pytest.mark.parametrize("which", ["read", "write"])
-def test_health_with_a_token_gives_details(client, api_tokens, which):
+def test_health_with_a_token_gives_details(client, api_tokens, which, live_worker):
     response = call(client, "GET", "health/", getattr(api_tokens, which))
     assert response.status_code == 200
     data = response.json()
-    assert data["status"] == "ok" and data["database"] == "ok"
+    assert data["status"] == "ok" and data["database"] == "ok" and data["reasons"] == []
     assert set(data["workers"]) == {"live", "stale", "stale_after_s"}
     assert set(data["spool"]) == {"pending", "oldest_age_s"}
 
@@ -759,6 +764,7 @@ def test_the_schema_is_public_json_openapi_3(client):
     assert document["openapi"].startswith("3.")
     assert set(document["paths"]) == {
         "/internal/v1/queue/",
+        "/internal/v1/metrics/",
         "/internal/v1/dead-jobs/",
         "/internal/v1/jobs/{job_id}/",
         "/internal/v1/jobs/{job_id}/requeue/",
@@ -820,3 +826,51 @@ def test_queue_gives_the_queue_status_figures(client, api_tokens):
     assert abs((now - timezone.now()).total_seconds()) < 60
     # No worker serves test.echo yet: the API names the kind, as queue_status does.
     assert [(u["kind"], u["queued"]) for u in data["unserved_kinds"]] == [("test.echo", 1)]
+
+
+# --- health's reasons --------------------------------------------------------------------
+
+
+def health(client, token: str | None = None):
+    return call(client, "GET", "health/", token)
+
+
+def test_health_is_503_when_no_worker_is_live(client, api_tokens, settings):
+    settings.HOLDFAST_LEASE_SECONDS = 60
+    Worker.objects.create(id="silent", host="h", pid=2)
+    Worker.objects.filter(pk="silent").update(heartbeat_at=timezone.now() - timedelta(minutes=5))
+    response = health(client)
+    assert (response.status_code, response.json()) == (503, {"status": "failing"})
+    detailed = health(client, api_tokens.read)
+    assert detailed.status_code == 503
+    reasons = detailed.json()["reasons"]
+    assert [reason["code"] for reason in reasons] == ["no_live_worker"]
+    assert "1 registered worker(s) gone" in reasons[0]["detail"]
+    Worker.objects.filter(pk="silent").update(heartbeat_at=timezone.now())
+    assert health(client).status_code == 200
+
+
+def test_health_is_503_when_the_spool_is_overdue_or_the_ingester_stuck(
+    client, api_tokens, settings, tmp_path: Path
+):
+    Worker.objects.create(id="live", host="h", pid=1)
+    settings.HOLDFAST_SPOOL_DIR = tmp_path / "spool"
+    settings.HOLDFAST_SPOOL_STUCK_SECONDS = 300
+    settings.HOLDFAST_SPOOL_GRACE_SECONDS = 3600
+    incoming = tmp_path / "spool" / "incoming"
+    incoming.mkdir(parents=True)
+    waiting = incoming / "a.json"
+    waiting.write_text("{}")
+    assert health(client).status_code == 200, "a fresh file: the ingester has time"
+    now = time.time()
+    os.utime(waiting, (now - 400, now - 400))
+    response = health(client, api_tokens.read)
+    assert response.status_code == 503
+    assert [reason["code"] for reason in response.json()["reasons"]] == ["ingester_stuck"]
+    os.utime(waiting, (now - 4000, now - 4000))
+    response = health(client, api_tokens.read)
+    codes = [reason["code"] for reason in response.json()["reasons"]]
+    assert codes == ["spool_overdue", "ingester_stuck"]
+    assert health(client).json() == {"status": "failing"}, "no token: no reasons"
+    waiting.unlink()
+    assert health(client).status_code == 200

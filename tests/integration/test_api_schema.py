@@ -22,6 +22,7 @@ from schemathesis import BaseSchema, GenerationMode
 
 from ingestion import reconciliation
 from jobs import engine
+from jobs.models import Worker
 from ops import tokens
 
 from .helpers import claim_one, failure
@@ -52,6 +53,7 @@ def rows(transactional_db: None) -> Rows:
     open_issue = reconciliation.record("quarantined_submission", "a.json", details={"why": "x"})
     resolved = reconciliation.record("gone_at_source", "https://example.org/x", source="docs")
     reconciliation.resolve(resolved.pk, by="someone", comment="fixed")
+    Worker.objects.create(id="w-live", host="h", pid=1)  # health/ is 200 with a live worker
     return Rows(jobs=[dead.pk, running.pk, queued.pk], issues=[open_issue.pk, resolved.pk])
 
 
@@ -72,6 +74,7 @@ OPERATIONS = [
     ("GET", "/internal/v1/reconciliation-issues/", None, True),
     ("POST", "/internal/v1/reconciliation-issues/{issue_id}/resolve/", "issue_id", True),
     ("GET", "/internal/v1/health/", None, False),
+    ("GET", "/internal/v1/metrics/", None, False),
     ("GET", "/internal/v1/search/", None, True),
 ]
 CASES = [

@@ -15,6 +15,7 @@ from django.db.models import F
 from django.utils import timezone
 
 from demo.site import FixtureSite
+from ingestion import artifacts as artifacts_module
 from ingestion import blobs
 from ingestion.artifacts import FETCH_KIND, enqueue_fetches
 from ingestion.models import Artifact, IssueKind, ReconciliationIssue, Source
@@ -43,6 +44,7 @@ def source(site: FixtureSite, transactional_db: None) -> Source:
 
 def make_source(site: FixtureSite, name: str, **fields: object) -> Source:
     return Source.objects.create(
+        allow_private=True,
         name=name,
         kind="sitemap",
         url=site.url("/sitemap.xml"),
@@ -172,17 +174,21 @@ def test_a_500_is_retried_with_backoff(source, run_worker):
     assert not ReconciliationIssue.objects.exists()
 
 
-def test_the_last_attempt_at_a_transient_failure_gives_up_with_an_issue(source, run_worker):
+def test_the_last_attempt_at_a_transient_failure_puts_the_fetch_off_with_an_issue(
+    source, run_worker
+):
     artifact = artifact_at(source, "/status/503")
     enqueue(FETCH_KIND, {"artifact_id": artifact.pk}, max_attempts=1)
     run_worker()
     job = Job.objects.get(kind=FETCH_KIND)
     artifact.refresh_from_db()
-    assert job.state == State.DEAD
-    assert (artifact.state, artifact.http_status, artifact.refresh_after) == ("failed", 503, None)
-    [issue] = issues_of(artifact, IssueKind.PERMANENT_FETCH_FAILURE)
-    assert issue.details["reason"].startswith("gave up after attempt 1 of 1: RetryableStatus")
+    assert job.state == State.SUCCEEDED and job.result["outcome"] == "failing"
+    assert (artifact.state, artifact.failures) == ("discovered", 1)
+    assert timedelta(minutes=55) < artifact.refresh_after - timezone.now() < timedelta(hours=1)
+    [issue] = issues_of(artifact, IssueKind.FETCH_FAILING)
+    assert issue.details["reason"].startswith("RetryableStatus")
     assert issue.details["http_status"] == 503
+    assert not issues_of(artifact, IssueKind.PERMANENT_FETCH_FAILURE)
 
 
 def test_a_403_is_permanent_dead_job_and_an_issue(source, run_worker):
@@ -251,7 +257,11 @@ def test_nothing_is_refreshed_before_its_28_days_pass(source, run_worker):
     assert artifact.refresh_after > timezone.now() + timedelta(days=27)  # the clock moved on
 
 
-def test_due_artifacts_are_refreshed_in_bounded_batches_oldest_first(source):
+def test_the_refresh_batch_follows_the_due_backlog_oldest_first(source, monkeypatch):
+    """The batch is the whole backlog, at least ``batch`` and at most REFRESH_MAX_BATCH:
+    a fixed batch of 100 per 300 s (~806k per 28 days) cannot keep 5M artifacts current."""
+    monkeypatch.setattr(artifacts_module, "REFRESH_MAX_BATCH", 150)
+    monkeypatch.setattr(artifacts_module, "IDS_PER_QUERY", 40)  # several transactions a run
     refresher = artifacts_refresher()
     long_ago = timezone.now() - timedelta(days=60)
     Artifact.objects.bulk_create(
@@ -261,7 +271,7 @@ def test_due_artifacts_are_refreshed_in_bounded_batches_oldest_first(source):
             state="fetched",
             refresh_after=long_ago + timedelta(minutes=i),
         )
-        for i in range(refresher.batch * 2 + 7)
+        for i in range(207)
     )
     Artifact.objects.create(
         source=source,
@@ -271,13 +281,17 @@ def test_due_artifacts_are_refreshed_in_bounded_batches_oldest_first(source):
     )
     due = list(Artifact.objects.filter(url__contains="/due/").order_by("refresh_after"))
 
-    assert refresher.func(refresher.batch) == refresher.batch
-    assert queued_fetches() == {a.pk for a in due[: refresher.batch]}
-    assert refresher.func(refresher.batch) == refresher.batch  # the next batch, not the same
-    assert refresher.func(refresher.batch) == 7
+    assert refresher.func(refresher.batch) == 150  # more than the batch of 100: the backlog
+    assert queued_fetches() == {a.pk for a in due[:150]}
+    assert refresher.func(refresher.batch) == 57  # the rest, not the same ones again
     assert refresher.func(refresher.batch) == 0  # everything due is queued exactly once
     assert queued_fetches() == {a.pk for a in due}
     assert Job.objects.filter(kind=FETCH_KIND).count() == len(due)
+
+
+def test_the_default_refresh_ceiling_keeps_five_million_artifacts_current():
+    per_run_needed = 5_000_000 / (28 * 24 * 3600) * 300  # ~620 due per 300 s run
+    assert 10 * per_run_needed < artifacts_module.REFRESH_MAX_BATCH
 
 
 def test_a_disabled_sources_due_artifacts_do_not_starve_the_others(site, source):

@@ -14,8 +14,8 @@ from django.db import connection, transaction
 
 from demo.site import FixtureSite, w3c
 from ingestion import discovery
-from ingestion.discovery import ListingError, parse_listing, start_discovery
-from ingestion.models import Artifact, DiscoveryRun, Source
+from ingestion.discovery import ListingError, normalize_lastmod, parse_listing, start_discovery
+from ingestion.models import Artifact, DiscoveryPage, DiscoveryRun, ReconciliationIssue, Source
 from ingestion.sources import DISCOVER_KIND, add_source
 from jobs import engine, scheduler
 from jobs.models import Job, State
@@ -58,6 +58,7 @@ def test_feeds_list_entries_and_their_rfc5005_next_page():
     listing = parse_listing(atom, f"{BASE}/feed")
     assert listing.pages == [f"{BASE}/feed?page=2"]
     assert listing.items == [discovery.Item(f"{BASE}/1", "2026-11-02T10:00:00Z", "One")]
+    assert listing.archived is False and listing.complete is False
     rss = (
         b'<rss version="2.0" xmlns:atom="http://www.w3.org/2005/Atom"><channel><title>t</title>'
         b"<item><title>Two</title><link>https://example.org/2</link>"
@@ -65,7 +66,7 @@ def test_feeds_list_entries_and_their_rfc5005_next_page():
     )
     listing = parse_listing(rss, f"{BASE}/rss")
     assert listing.pages == []
-    assert listing.items == [discovery.Item(f"{BASE}/2", "Mon, 30 Nov 2026 10:00:00 GMT", "Two")]
+    assert listing.items == [discovery.Item(f"{BASE}/2", "2026-11-30T10:00:00Z", "Two")]
 
 
 @pytest.mark.parametrize(
@@ -97,6 +98,7 @@ class Hooks:
     """What discovery told the artifact side, per call."""
 
     discovered: list[tuple[str, list[int], list[int]]] = field(default_factory=list)
+    retried: list[int] = field(default_factory=list)
     completed: list[int] = field(default_factory=list)
 
 
@@ -108,7 +110,12 @@ def hooks(monkeypatch) -> Hooks:
     monkeypatch.setattr(
         discovery,
         "items_discovered",
-        [lambda source, new, changed: seen.discovered.append((source.name, new, changed))],
+        [
+            lambda source, new, changed, retry: (
+                seen.discovered.append((source.name, new, changed)),
+                seen.retried.extend(retry),
+            )
+        ],
     )
     monkeypatch.setattr(discovery, "run_completed", [lambda run: seen.completed.append(run.pk)])
     return seen
@@ -135,15 +142,36 @@ def artifacts(name: str) -> dict[str, tuple[str, str]]:
 
 
 def documents(site: FixtureSite) -> dict[str, str]:
-    return {site.url(path): w3c(doc.lastmod) for path, doc in site.documents.items()}
+    return {
+        site.url(path): normalize_lastmod(w3c(doc.lastmod)) for path, doc in site.documents.items()
+    }
+
+
+def make_run(source: Source, pending: list[str], **fields: object) -> DiscoveryRun:
+    """A run in progress whose cursor holds ``pending`` (as a job that died left it)."""
+    run = DiscoveryRun.objects.create(source=source, known_pages=len(pending), **fields)
+    DiscoveryPage.objects.bulk_create([DiscoveryPage(run=run, url=url) for url in pending])
+    return run
+
+
+def pending(run: DiscoveryRun) -> list[str]:
+    rows = DiscoveryPage.objects.filter(run=run, state="pending").order_by("pk")
+    return list(rows.values_list("url", flat=True))
 
 
 def test_a_sitemap_index_is_discovered_in_bounded_jobs(site, hooks, run_worker):
-    add_source("docs", "sitemap", site.url("/sitemap.xml"), spacing=0, max_pages_per_run=2)
+    add_source(
+        "docs",
+        "sitemap",
+        site.url("/sitemap.xml"),
+        spacing=0,
+        max_pages_per_run=2,
+        allow_private=True,
+    )
     run = discover(run_worker, "docs")
     # Index + 3 sitemaps = 4 listing pages, 2 per job.
     assert (run.state, run.pages, run.items, run.jobs) == ("completed", 4, 7, 2)
-    assert run.cursor == [] and run.finished_at >= run.started_at
+    assert pending(run) == [] and run.finished_at >= run.started_at
     found = artifacts("docs")
     assert {url: lastmod for url, (lastmod, _) in found.items()} == documents(site)
     assert set(Artifact.objects.values_list("state", flat=True)) == {"discovered"}
@@ -152,7 +180,7 @@ def test_a_sitemap_index_is_discovered_in_bounded_jobs(site, hooks, run_worker):
     assert jobs[1].unique_key == f"discover:docs:run{run.pk}:job2"
     assert jobs[1].args == {"source": "docs", "run": run.pk}
     assert jobs[1].result == {"run": run.pk, "pages": 2, "new": 4, "changed": 0, "malformed": 0,
-                              "completed": True, "items": 7}  # fmt: skip
+                              "failed_pages": 0, "completed": True, "items": 7}  # fmt: skip
     new_ids = sorted(pk for _, new, _ in hooks.discovered for pk in new)
     assert new_ids == sorted(Artifact.objects.values_list("pk", flat=True))
     assert hooks.completed == [run.pk]
@@ -162,19 +190,28 @@ def test_a_sitemap_index_is_discovered_in_bounded_jobs(site, hooks, run_worker):
 
 
 def test_a_paged_feed_is_followed_through_its_next_links(site, hooks, run_worker):
-    add_source("news", "feed", site.url("/feed.xml"), spacing=0, max_pages_per_run=1)
+    add_source(
+        "news", "feed", site.url("/feed.xml"), spacing=0, max_pages_per_run=1, allow_private=True
+    )
     run = discover(run_worker, "news")
     assert (run.state, run.pages, run.items, run.jobs) == ("completed", 3, 7, 3)
     found = artifacts("news")
     assert {url: lastmod for url, (lastmod, _) in found.items()} == documents(site)
     assert found[site.url("/docs/1.html")][1] == "Document 1"
-    rss = add_source("rss", "feed", site.url("/rss.xml"), spacing=0)
+    rss = add_source("rss", "feed", site.url("/rss.xml"), spacing=0, allow_private=True)
     run = discover(run_worker, rss.name)
     assert (run.state, run.pages, run.items, run.jobs) == ("completed", 3, 7, 1)
 
 
 def test_a_second_run_reports_new_and_changed_items_and_repeats_harmlessly(site, hooks, run_worker):
-    add_source("docs", "sitemap", site.url("/sitemap.xml"), spacing=0, max_pages_per_run=3)
+    add_source(
+        "docs",
+        "sitemap",
+        site.url("/sitemap.xml"),
+        spacing=0,
+        max_pages_per_run=3,
+        allow_private=True,
+    )
     first = discover(run_worker, "docs")
     before = {a.url: (a.pk, a.lastmod, a.discovered_at) for a in Artifact.objects.all()}
     hooks.discovered.clear()
@@ -200,51 +237,74 @@ def test_a_second_run_reports_new_and_changed_items_and_repeats_harmlessly(site,
     assert hooks.completed[-1] == third.pk
 
 
-def test_a_missing_listing_page_fails_the_run_and_the_job(site, hooks, run_worker):
-    add_source("docs", "sitemap", site.url("/sitemaps/9.xml"), spacing=0)
+def test_a_missing_source_url_fails_the_run_with_one_issue(site, hooks, run_worker):
+    add_source("docs", "sitemap", site.url("/sitemaps/9.xml"), spacing=0, allow_private=True)
     run = discover(run_worker, "docs")
     assert run.state == "failed" and site.url("/sitemaps/9.xml") in run.error
     assert "404" in run.error
     job = Job.objects.get(kind=DISCOVER_KIND)
-    assert job.state == State.DEAD and site.url("/sitemaps/9.xml") in job.last_error
+    assert job.state == State.SUCCEEDED and job.attempts == 1  # a defect of the site: no retry
+    [issue] = ReconciliationIssue.objects.filter(kind="listing_failed")
+    assert (issue.subject, issue.source) == (site.url("/sitemaps/9.xml"), "docs")
+    discover(run_worker, "docs")  # fails again: still the one issue
+    assert ReconciliationIssue.objects.filter(kind="listing_failed").count() == 1
     # A failed run does not block the next one.
     site.documents.clear()
     Source.objects.filter(name="docs").update(url=site.url("/sitemap.xml"))
     assert discover(run_worker, "docs").state == "completed"
 
 
-def test_a_listing_disallowed_by_robots_fails_the_run(site, hooks, run_worker):
+def test_listings_disallowed_by_robots_are_failed_pages_of_the_run(site, hooks, run_worker):
     site.robots_txt = "User-agent: *\nDisallow: /sitemaps/\n"
-    add_source("docs", "sitemap", site.url("/sitemap.xml"), spacing=0)
+    add_source("docs", "sitemap", site.url("/sitemap.xml"), spacing=0, allow_private=True)
     run = discover(run_worker, "docs")
-    assert run.state == "failed" and "robots.txt" in run.error
-    assert run.pages == 1  # the index was read; its first sitemap was refused
+    assert (run.state, run.failed_pages) == ("completed", 3) and "robots.txt" in run.error
+    assert run.pages == 1  # the index was read; its sitemaps were refused
     assert "/sitemaps/1.xml" not in [request.path for request in site.requests]
 
 
-def test_a_server_error_is_retried_from_the_committed_cursor(site, hooks, run_worker):
-    add_source("docs", "sitemap", site.url("/sitemap.xml"), spacing=0, max_pages_per_run=10)
+def skip_waits() -> None:
+    Job.objects.filter(state=State.QUEUED).update(run_at=engine.db_now())
+
+
+def test_a_server_error_moves_the_page_back_and_the_others_are_read(site, hooks, run_worker):
+    add_source(
+        "docs",
+        "sitemap",
+        site.url("/sitemap.xml"),
+        spacing=0,
+        max_pages_per_run=10,
+        allow_private=True,
+    )
     site.redirects["/sitemaps/2.xml"] = "/status/503"
     job, _ = start_discovery(Source.objects.get(name="docs"))
     run_worker()
     job.refresh_from_db()
-    assert job.state == State.QUEUED and job.attempts == 1 and "503" in job.last_error
+    assert job.state == State.SUCCEEDED and job.attempts == 1
     run = DiscoveryRun.objects.get()
-    assert (run.state, run.pages, run.cursor[0]) == ("running", 2, site.url("/sitemaps/2.xml"))
+    # The index and sitemaps 1 and 3 are read; 2 waits for a delayed continuation.
+    assert (run.state, run.pages, pending(run)) == ("running", 3, [site.url("/sitemaps/2.xml")])
+    continuation = Job.objects.filter(kind=DISCOVER_KIND).latest("pk")
+    assert continuation.state == State.QUEUED and continuation.run_at > engine.db_now()
     del site.redirects["/sitemaps/2.xml"]
-    Job.objects.filter(pk=job.pk).update(run_at=engine.db_now())  # skip the backoff
+    skip_waits()
     run_worker()
     run.refresh_from_db()
-    assert (run.state, run.pages, run.items) == ("completed", 4, 7)
+    assert (run.state, run.pages, run.items, run.failed_pages) == ("completed", 4, 7, 0)
     assert [r.path for r in site.requests].count("/sitemaps/1.xml") == 1
 
 
 def test_an_interrupted_run_is_resumed_not_restarted(site, hooks, run_worker):
-    add_source("docs", "sitemap", site.url("/sitemap.xml"), spacing=0, max_pages_per_run=2)
-    source = Source.objects.get(name="docs")
-    run = DiscoveryRun.objects.create(
-        source=source, cursor=[site.url("/sitemaps/3.xml")], pages=3, jobs=2
+    add_source(
+        "docs",
+        "sitemap",
+        site.url("/sitemap.xml"),
+        spacing=0,
+        max_pages_per_run=2,
+        allow_private=True,
     )
+    source = Source.objects.get(name="docs")
+    run = make_run(source, [site.url("/sitemaps/3.xml")], pages=3, jobs=2)
     job, message = start_discovery(source)
     assert job is not None and f"resumes interrupted discovery run {run.pk}" in message
     second, message = start_discovery(source)
@@ -257,9 +317,16 @@ def test_an_interrupted_run_is_resumed_not_restarted(site, hooks, run_worker):
 
 
 def test_a_scheduled_discovery_leaves_a_run_in_progress_alone(site, hooks, run_worker):
-    add_source("docs", "sitemap", site.url("/sitemap.xml"), spacing=0, max_pages_per_run=1)
+    add_source(
+        "docs",
+        "sitemap",
+        site.url("/sitemap.xml"),
+        spacing=0,
+        max_pages_per_run=1,
+        allow_private=True,
+    )
     source = Source.objects.get(name="docs")
-    run = DiscoveryRun.objects.create(source=source, cursor=[site.url("/sitemaps/1.xml")])
+    run = make_run(source, [site.url("/sitemaps/1.xml")])
     continuation = engine.enqueue(
         DISCOVER_KIND, {"source": "docs", "run": run.pk}, unique_key="continuation", delay=3600
     )
@@ -272,9 +339,16 @@ def test_a_scheduled_discovery_leaves_a_run_in_progress_alone(site, hooks, run_w
 
 
 def test_a_disabled_source_stops_discovering_between_jobs(site, hooks, run_worker):
-    add_source("docs", "sitemap", site.url("/sitemap.xml"), spacing=0, max_pages_per_run=1)
+    add_source(
+        "docs",
+        "sitemap",
+        site.url("/sitemap.xml"),
+        spacing=0,
+        max_pages_per_run=1,
+        allow_private=True,
+    )
     source = Source.objects.get(name="docs")
-    run = DiscoveryRun.objects.create(source=source, cursor=[site.url("/sitemaps/1.xml")])
+    run = make_run(source, [site.url("/sitemaps/1.xml")])
     continuation = engine.enqueue(DISCOVER_KIND, {"source": "docs", "run": run.pk})
     Source.objects.filter(pk=source.pk).update(enabled=False)
     run_worker()
@@ -307,7 +381,14 @@ def test_a_malformed_url_is_skipped_and_counted_not_fatal():
 
 def test_a_run_whose_listing_has_a_malformed_url_completes(site, hooks, run_worker):
     site.extra_urls.append("http://[::1/x")
-    add_source("docs", "sitemap", site.url("/sitemap.xml"), spacing=0, max_pages_per_run=10)
+    add_source(
+        "docs",
+        "sitemap",
+        site.url("/sitemap.xml"),
+        spacing=0,
+        max_pages_per_run=10,
+        allow_private=True,
+    )
     run = discover(run_worker, "docs")
     assert (run.state, run.pages, run.items) == ("completed", 4, 7)
     job = Job.objects.get(kind=DISCOVER_KIND)
@@ -318,18 +399,25 @@ def test_a_run_whose_listing_has_a_malformed_url_completes(site, hooks, run_work
 def test_an_unexpected_error_on_a_pages_last_attempt_fails_the_run(
     site, hooks, run_worker, monkeypatch
 ):
-    def broken(source, new, changed):
+    def broken(source, new, changed, retry):
         raise RuntimeError("the artifact side is broken")
 
     monkeypatch.setattr(discovery, "items_discovered", [broken])
-    add_source("docs", "sitemap", site.url("/sitemap.xml"), spacing=0, max_pages_per_run=10)
+    add_source(
+        "docs",
+        "sitemap",
+        site.url("/sitemap.xml"),
+        spacing=0,
+        max_pages_per_run=10,
+        allow_private=True,
+    )
     job, _ = start_discovery(Source.objects.get(name="docs"))
     Job.objects.filter(pk=job.pk).update(max_attempts=2)
     run_worker()
     job.refresh_from_db()
     run = DiscoveryRun.objects.get()
     assert (job.state, run.state) == (State.QUEUED, "running")  # an early attempt: retried
-    assert run.cursor[0] == site.url("/sitemaps/1.xml")
+    assert pending(run)[0] == site.url("/sitemaps/1.xml")
     Job.objects.filter(pk=job.pk).update(run_at=engine.db_now())  # skip the backoff
     run_worker()
     job.refresh_from_db()
@@ -349,10 +437,21 @@ def test_feed_pages_that_link_to_each_other_are_read_once_each(
     monkeypatch.setattr(discovery, "MAX_RUN_PAGES", 20)  # without the fix: fails at 20 pages
     site.per_feed_page = 4  # 7 documents: two pages
     site.feed_loops = True  # page 1 -> page 2 -> page 1
-    add_source("news", "feed", site.url("/feed.xml?page=1"), spacing=0, max_pages_per_run=10)
+    add_source(
+        "news",
+        "feed",
+        site.url("/feed.xml?page=1"),
+        spacing=0,
+        max_pages_per_run=10,
+        allow_private=True,
+    )
     run = discover(run_worker, "news")
     assert (run.state, run.pages, run.items, run.jobs) == ("completed", 2, 7, 1), run.error
-    assert run.visited == [site.url("/feed.xml?page=1"), site.url("/feed.xml?page=2")]
+    pages = DiscoveryPage.objects.filter(run=run).order_by("pk")
+    assert list(pages.values_list("url", "state")) == [
+        (site.url("/feed.xml?page=1"), "read"),
+        (site.url("/feed.xml?page=2"), "read"),
+    ]
     listing_requests = [r.path for r in site.requests if r.path != "/robots.txt"]
     assert listing_requests == ["/feed.xml?page=1", "/feed.xml?page=2"]
 
@@ -361,7 +460,14 @@ def test_feed_pages_that_link_to_each_other_are_read_once_each(
 
 
 def test_a_scheduled_discovery_gives_way_to_a_manual_one(site, hooks, run_worker):
-    add_source("docs", "sitemap", site.url("/sitemap.xml"), spacing=0, max_pages_per_run=10)
+    add_source(
+        "docs",
+        "sitemap",
+        site.url("/sitemap.xml"),
+        spacing=0,
+        max_pages_per_run=10,
+        allow_private=True,
+    )
     manual, message = start_discovery(Source.objects.get(name="docs"))
     assert manual is not None and message == f"job {manual.pk} discovers 'docs'"
     # The manual job waits out a backoff; the schedule's slot comes up meanwhile.
@@ -385,7 +491,7 @@ def test_a_scheduled_discovery_gives_way_to_a_manual_one(site, hooks, run_worker
 
 
 def test_a_start_that_lost_the_race_does_not_report_a_new_job(site, hooks, transactional_db):
-    add_source("docs", "sitemap", site.url("/sitemap.xml"), spacing=0)
+    add_source("docs", "sitemap", site.url("/sitemap.xml"), spacing=0, allow_private=True)
     source = Source.objects.get(name="docs")
     first_enqueued, release = threading.Event(), threading.Event()
     answers: dict[str, tuple[Job | None, str]] = {}

@@ -4,9 +4,12 @@ and spacing within and across processes."""
 
 from __future__ import annotations
 
+import gzip
 import socket
 import threading
 import time
+import tracemalloc
+import zlib
 from collections.abc import Iterator
 from datetime import timedelta
 from ipaddress import ip_address
@@ -17,10 +20,11 @@ from django.db import connection, transaction
 from django.utils import timezone
 
 from demo.site import FixtureSite
-from ingestion import http
+from ingestion import egress, http
 from ingestion.discovery import start_discovery
 from ingestion.models import Source
 from ingestion.sources import add_source
+from jobs.exceptions import InvalidJob
 from jobs.models import Job, Lease, State
 from tests.process.helpers import job_summary
 from tests.support.workers import WorkerPool, wait_until
@@ -37,6 +41,7 @@ def site() -> Iterator[FixtureSite]:
 
 def make_source(site: FixtureSite, spacing: float = 0.0) -> Source:
     return Source.objects.create(
+        allow_private=True,
         name="fixture",
         kind="sitemap",
         url=site.url("/sitemap.xml"),
@@ -242,53 +247,138 @@ def test_a_malformed_redirect_location_is_a_permanent_fetch_error(site, source, 
 
 
 @pytest.mark.parametrize(
-    ("address", "allowed"),
+    ("address", "public", "with_flag"),
     [
-        ("93.184.215.14", True),
-        ("2606:4700::6810:84e5", True),
-        ("::ffff:93.184.215.14", True),
-        ("169.254.169.254", False),  # link-local: cloud metadata
-        ("fe80::1", False),
-        ("127.0.0.1", False),  # loopback
-        ("::1", False),
-        ("::ffff:127.0.0.1", False),  # loopback, IPv4-mapped
-        ("10.0.0.8", False),  # private
-        ("192.168.1.1", False),
-        ("fd00::8", False),
-        ("100.64.0.1", False),  # shared (carrier-grade NAT)
-        ("224.0.0.251", False),  # multicast
-        ("ff02::1", False),
-        ("240.0.0.1", False),  # reserved
-        ("0.0.0.0", False),  # unspecified
-        ("::", False),
+        ("93.184.215.14", True, True),
+        ("2606:4700::6810:84e5", True, True),
+        ("::ffff:93.184.215.14", True, True),
+        ("169.254.169.254", False, False),  # cloud metadata: never
+        ("fd00:ec2::254", False, False),
+        ("::ffff:169.254.169.254", False, False),
+        ("fe80::1", False, True),  # link-local
+        ("169.254.10.1", False, True),
+        ("127.0.0.1", False, True),  # loopback
+        ("::1", False, True),
+        ("::ffff:127.0.0.1", False, True),  # loopback, IPv4-mapped
+        ("2002:7f00:1::", False, True),  # 6to4 carrying 127.0.0.1
+        ("10.0.0.8", False, True),  # private
+        ("192.168.1.1", False, True),
+        ("fd00::8", False, True),
+        ("100.64.0.1", False, True),  # shared (carrier-grade NAT)
+        ("224.0.0.251", False, False),  # multicast: never
+        ("ff02::1", False, False),
+        ("240.0.0.1", False, False),  # reserved: never
+        ("0.0.0.0", False, False),  # unspecified: never
+        ("::", False, False),
+        ("::ffff:0.0.0.0", False, False),
     ],
 )
-def test_only_public_addresses_are_allowed_by_default(address, allowed):
-    assert http.is_public(ip_address(address)) is allowed
-    assert http.address_allowed(ip_address(address), trusted=()) is allowed
+def test_the_address_policy_with_and_without_the_flag(address, public, with_flag):
+    assert http.is_public(ip_address(address)) is public
+    assert http.address_allowed(ip_address(address), allow_private=False) is public
+    assert http.address_allowed(ip_address(address), allow_private=True) is with_flag
 
 
-def test_internal_addresses_of_the_sources_own_host_are_allowed_and_no_others():
-    trusted = {ip_address("127.0.0.1"), ip_address("10.0.0.8")}
-    assert http.address_allowed(ip_address("127.0.0.1"), trusted)
-    assert http.address_allowed(ip_address("10.0.0.8"), trusted)
-    assert not http.address_allowed(ip_address("10.0.0.9"), trusted)
-    assert not http.address_allowed(ip_address("169.254.169.254"), trusted)
-    assert not http.address_allowed(ip_address("::1"), trusted)
+@pytest.fixture
+def resolver(monkeypatch):
+    """Host names resolved in-process: ``resolver["name"] = ["127.0.0.1"]`` (or a callable
+    giving the answer of each lookup). Every lookup is recorded; the machine's resolver is
+    left alone, and names not set resolve as usual."""
+    answers: dict[str, object] = {}
+    lookups: list[str] = []
+    real = egress.resolve
+
+    def resolve(host: str, port: int):
+        lookups.append(host)
+        answer = answers.get(host)
+        if answer is None:
+            return real(host, port)
+        addresses = answer() if callable(answer) else answer
+        return [ip_address(address) for address in addresses]
+
+    monkeypatch.setattr(egress, "resolve", resolve)
+    answers["lookups"] = lookups  # type: ignore[assignment]
+    return answers
+
+
+def public_source(site: FixtureSite, host: str = "docs.example") -> Source:
+    return Source.objects.create(
+        name="public", kind="sitemap", url=f"http://{host}:{site.port}/sitemap.xml",
+        schedule="0 3 * * *", spacing_seconds=0,
+    )  # fmt: skip
+
+
+def test_a_name_that_resolves_to_loopback_is_refused_without_the_flag(site, resolver):
+    """Nothing at all is requested, robots.txt included; with the flag the same name works."""
+    resolver["docs.example"] = ["127.0.0.1"]
+    source = public_source(site)
+    with pytest.raises(http.ForbiddenAddress) as refused:
+        http.get(source, f"http://docs.example:{site.port}/docs/a.html")
+    assert refused.value.transient is False
+    assert "127.0.0.1" in str(refused.value) and "--allow-private" in str(refused.value)
+    assert site.requests == []
+    Source.objects.filter(pk=source.pk).update(allow_private=True)
+    source.refresh_from_db()
+    response = http.get(source, f"http://docs.example:{site.port}/docs/a.html")
+    assert response.status == 200 and b"the first document" in response.body
+    assert [request.headers["host"] for request in site.requests] == [
+        f"docs.example:{site.port}"
+    ] * 2  # robots.txt and the page, with the name in Host although we connected by IP
 
 
 @pytest.mark.parametrize(
-    "url", ["http://169.254.169.254/latest/meta-data/", "http://10.0.0.8/", "http://[::1]:8000/"]
+    "address", ["127.0.0.1", "::ffff:127.0.0.1", "169.254.169.254", "10.1.2.3"]
 )
-def test_a_local_source_refuses_internal_addresses_other_than_its_own(site, source, url):
-    with pytest.raises(http.ForbiddenAddress) as refused:
-        http.get(source, url)  # refused before any connection: nothing listens there
-    assert refused.value.transient is False
-    assert url in str(refused.value) and "internal address" in str(refused.value)
+def test_a_public_source_reaches_no_internal_address(site, resolver, address):
+    resolver["docs.example"] = [address]
+    with pytest.raises(http.ForbiddenAddress):
+        http.get(public_source(site), f"http://docs.example:{site.port}/docs/a.html")
     assert site.requests == []
 
 
-def test_a_redirect_to_an_internal_address_is_refused(site, source):
+def test_a_name_with_one_internal_address_among_public_ones_is_refused(site, resolver):
+    resolver["docs.example"] = ["93.184.215.14", "127.0.0.1"]
+    with pytest.raises(http.ForbiddenAddress) as refused:
+        http.get(public_source(site), f"http://docs.example:{site.port}/docs/a.html")
+    assert "127.0.0.1" in str(refused.value)
+    assert site.requests == []
+
+
+def test_dns_rebinding_between_the_check_and_the_connection_is_refused(site, resolver):
+    """The first lookup (the early check) says public, the next one (the connection's)
+    says loopback: the connection judges its own answer, and connects to nothing."""
+    answers = iter([["93.184.215.14"]] + [["127.0.0.1"]] * 10)
+    resolver["docs.example"] = lambda: next(answers)
+    with pytest.raises(http.ForbiddenAddress):
+        http.get(public_source(site), f"http://docs.example:{site.port}/docs/a.html")
+    assert site.requests == []
+    assert resolver["lookups"].count("docs.example") >= 2
+
+
+def test_a_redirect_to_a_name_resolving_internal_is_refused(site, resolver):
+    resolver["docs.example"] = ["127.0.0.1"]
+    resolver["evil.example"] = ["127.0.0.1"]
+    source = public_source(site)
+    Source.objects.filter(pk=source.pk).update(allow_private=True)
+    source.refresh_from_db()
+    site.redirects["/away"] = "http://169.254.169.254/latest/meta-data/"
+    with pytest.raises(http.ForbiddenAddress):
+        http.get(source, f"http://docs.example:{site.port}/away")
+    assert paths(site) == ["/robots.txt", "/away"]
+
+
+@pytest.mark.parametrize(
+    "url", ["http://169.254.169.254/latest/meta-data/", "http://0.0.0.0:8000/", "http://[ff02::1]/"]
+)
+def test_metadata_and_unspecified_addresses_are_refused_even_with_the_flag(site, source, url):
+    with pytest.raises(http.ForbiddenAddress) as refused:
+        http.get(source, url)  # refused before any connection: nothing listens there
+    assert refused.value.transient is False
+    assert url in str(refused.value)
+    assert site.requests == []
+
+
+def test_a_redirect_to_the_metadata_address_is_refused(site, source):
     site.redirects["/metadata"] = "http://169.254.169.254/latest/meta-data/"
     with pytest.raises(http.ForbiddenAddress) as refused:
         http.get(source, site.url("/metadata"))
@@ -306,11 +396,77 @@ def test_a_public_source_cannot_reach_localhost(site):
     assert site.requests == []
 
 
-def test_a_local_source_may_fetch_another_port_of_its_own_address(site, source):
-    with FixtureSite() as other:
-        other.add("/docs/b.html", "Beta", "on another port")
-        response = http.get(source, other.url("/docs/b.html"))
-    assert response.status == 200 and b"on another port" in response.body
+def _raw_reply(encodings: list[str], body: bytes, trickle: float = 0.0):
+    def answer(handler) -> None:
+        handler.send_response(200)
+        handler.send_header("Content-Type", "text/plain")
+        if encodings:
+            handler.send_header("Content-Encoding", ", ".join(encodings))
+        handler.send_header("Content-Length", str(len(body)))
+        handler.end_headers()
+        if not trickle:
+            handler.wfile.write(body)
+            return
+        for byte in body:
+            handler.wfile.write(bytes([byte]))
+            handler.wfile.flush()
+            time.sleep(trickle)
+
+    return answer
+
+
+def test_stacked_gzip_is_capped_on_decoded_bytes(site, source, settings):
+    """gzip, gzip: about 20 KB on the wire, 1 GiB decoded; stopped at the cap, fast."""
+    bomb = gzip.compress(gzip.compress(b"\0" * (1 << 30), 9), 9)
+    assert len(bomb) < 64 * 1024
+    site.raw["/bomb"] = _raw_reply(["gzip", "gzip"], bomb)
+    settings.HOLDFAST_FETCH_MAX_BYTES = 1024 * 1024
+    tracemalloc.start()
+    started = time.monotonic()
+    try:
+        with pytest.raises(http.TooLarge) as refused:
+            http.get(source, site.url("/bomb"))
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert refused.value.transient is False and "cap" in str(refused.value)
+    assert peak < 32 * 1024 * 1024, peak
+    assert time.monotonic() - started < 10
+
+
+def test_stacked_encodings_are_decoded_in_order(site, source):
+    body = b"deflated then gzipped " * 100
+    wire = gzip.compress(zlib.compress(body))
+    site.raw["/stacked"] = _raw_reply(["deflate", "gzip"], wire)
+    assert http.get(source, site.url("/stacked")).body == body
+
+
+def test_a_one_byte_per_second_body_is_stopped_at_the_deadline(site, source, settings):
+    """Every read gets a byte within the per-read timeout; the total deadline ends it."""
+    settings.HOLDFAST_FETCH_DEADLINE_SECONDS = 2
+    settings.HOLDFAST_FETCH_TIMEOUT_SECONDS = 20
+    site.raw["/trickle"] = _raw_reply([], b"x" * 60, trickle=0.5)
+    started = time.monotonic()
+    with pytest.raises(http.FetchError) as failed:
+        http.get(source, site.url("/trickle"))
+    took = time.monotonic() - started
+    assert failed.value.transient is True
+    assert "deadline of 2 s" in str(failed.value)
+    assert 1.5 < took < 6, took
+
+
+def test_add_source_refuses_a_private_address_at_once_naming_it(resolver):
+    resolver["intranet.example"] = ["10.0.0.8"]
+    with pytest.raises(InvalidJob) as refused:
+        add_source("intranet", "sitemap", "http://intranet.example/sitemap.xml")
+    assert "10.0.0.8" in str(refused.value) and "--allow-private" in str(refused.value)
+    source = add_source(
+        "intranet", "sitemap", "http://intranet.example/sitemap.xml", allow_private=True
+    )
+    assert source.allow_private is True
+    with pytest.raises(InvalidJob) as refused:
+        add_source("meta", "sitemap", "http://169.254.169.254/", allow_private=True)
+    assert "169.254.169.254" in str(refused.value)
 
 
 def test_requests_of_one_source_are_spaced(site):
@@ -393,7 +549,9 @@ def test_spacing_holds_across_two_workers_discovering_and_fetching(site, worker_
     spacing = 0.4
     for n in range(2, 7):
         site.add(f"/docs/{n}.html", f"Doc {n}", f"text {n}")
-    source = add_source("spaced", "sitemap", site.url("/sitemap.xml"), spacing=spacing)
+    source = add_source(
+        "spaced", "sitemap", site.url("/sitemap.xml"), spacing=spacing, allow_private=True
+    )
     job, _ = start_discovery(source)
     with WorkerPool(worker_env, tmp_path / "logs") as pool:
         pool.start("w1")

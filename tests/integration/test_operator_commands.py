@@ -71,7 +71,13 @@ def test_prune_deletes_old_finished_jobs_with_their_attempts_only():
     recent = finished_job(State.SUCCEEDED, 1)
     queued = engine.enqueue("test.echo")
     data = run_json("prune_jobs", "--older-than", "14d")
-    assert data == {"deleted": 2, "older_than_s": 14 * 86400.0, "include_dead": False}
+    assert data == {
+        "deleted": 2,
+        "older_than_s": 14 * 86400.0,
+        "include_dead": False,
+        "dry_run": False,
+        "would_delete": None,
+    }
     remaining = set(Job.objects.values_list("pk", flat=True))
     assert remaining == {old_dead.pk, recent.pk, queued.pk}
     assert not Lease.objects.filter(job_id__in=[old_ok.pk, old_cancelled.pk]).exists()

@@ -74,7 +74,7 @@ def indexed_bodies() -> dict[str, str]:
 def test_discovery_fetch_index_and_search_follow_the_site(site: FixtureSite) -> None:
     run(
         "add_source", "local", "--kind", "sitemap", "--url", site.url("/sitemap.xml"),
-        "--spacing", "0", "--max-pages-per-run", "2",
+        "--spacing", "0", "--max-pages-per-run", "2", "--allow-private",
     )  # fmt: skip
 
     # First cycle: four listing pages in two bounded jobs, every document fetched and

@@ -37,6 +37,7 @@ def site() -> Iterator[FixtureSite]:
 @pytest.fixture
 def source(site: FixtureSite, transactional_db: None) -> Source:
     return Source.objects.create(
+        allow_private=True,
         name="local",
         kind="sitemap",
         url=site.url("/sitemap.xml"),

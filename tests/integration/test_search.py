@@ -75,7 +75,11 @@ HOSTILE = [
 
 def make_source(name: str = "docs") -> Source:
     return Source.objects.create(
-        name=name, kind="sitemap", url=f"https://{name}.example.org/sitemap.xml", schedule="@daily"
+        allow_private=True,
+        name=name,
+        kind="sitemap",
+        url=f"https://{name}.example.org/sitemap.xml",
+        schedule="@daily",
     )
 
 
@@ -481,3 +485,56 @@ def test_the_schema_describes_the_hits_served():
     document = Client().get("/internal/v1/schema/").json()
     operation = document["paths"]["/internal/v1/search/"]["get"]
     assert {p["name"] for p in operation["parameters"]} == {"q", "source", "limit"}
+
+
+# --- the query syntax, the same on both databases -------------------------------------------
+
+CORPUS = {
+    "cats": "Cats sleep all day in the sun.",
+    "dogs": "Dogs bark at the mail carrier.",
+    "both": "Cats and dogs share the house, mostly in peace.",
+    "kittens": "Kittens chase a red ball of yarn.",
+    "black-cat": "A black cat crossed the road at night.",
+    "cat-black": "The cat was not black but grey; black shoes stood by the door.",
+    "fish": "Fish swim in a bowl; cats watch them.",
+}
+
+# (query, the documents it finds): the web-search syntax documented in docs/sources.md.
+SYNTAX = [
+    ("cats", {"cats", "both", "black-cat", "cat-black", "fish"}),  # stems: cat = cats
+    ("cats dogs", {"both"}),  # every word is needed
+    ("cats -dogs", {"cats", "black-cat", "cat-black", "fish"}),  # -word excludes
+    ("cats -dogs -fish", {"cats", "black-cat", "cat-black"}),
+    ("cats or kittens", {"cats", "both", "black-cat", "cat-black", "fish", "kittens"}),
+    ("kittens OR dogs", {"kittens", "dogs", "both"}),
+    ("dogs or kittens yarn", {"dogs", "both", "kittens"}),  # "or" binds loosest
+    ("kittens or dogs -cats", {"kittens", "dogs"}),  # the exclusion is the second's
+    ('"black cat"', {"black-cat"}),  # a phrase: adjacent, in order
+    ('"cat black"', set()),
+    ('"black cat" or kittens', {"black-cat", "kittens"}),
+    ('cat -"black cat"', {"cats", "both", "cat-black", "fish"}),
+    ("the cats", {"cats", "both", "black-cat", "cat-black", "fish"}),  # stop words ignored
+    ("-dogs", set()),  # nothing required: nothing found
+    ("or", set()),
+    ("cats or", {"cats", "both", "black-cat", "cat-black", "fish"}),
+    ("zebra", set()),
+    ("zebra or kittens", {"kittens"}),
+]
+
+
+@pytest.fixture
+def corpus(index) -> dict[str, str]:
+    source = make_source()
+    artifacts = [
+        fetched(source, f"{name}.txt", text.encode(), "text/plain") for name, text in CORPUS.items()
+    ]
+    index(*artifacts)
+    return {artifact.url: name for artifact, name in zip(artifacts, CORPUS, strict=True)}
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_query_syntax_answers_the_same_on_both_databases(corpus):
+    """One table, run on SQLite and on PostgreSQL: the same documents for every query."""
+    for query, expected in SYNTAX:
+        found = {corpus[hit.url] for hit in search.search(query, limit=search.MAX_LIMIT)}
+        assert found == expected, query

@@ -100,7 +100,7 @@ def test_list_sources_text_and_json():
     sources.add_source("docs", "sitemap", URL, schedule="15 4 * * *", spacing=0)
     sources.add_source("news", "feed", "https://example.org/feed.xml")
     source = Source.objects.get(name="docs")
-    DiscoveryRun.objects.create(source=source, cursor=[], pages=4, items=7, state="completed")
+    DiscoveryRun.objects.create(source=source, pages=4, items=7, state="completed")
     data = run_json("list_sources")
     assert data["count"] == 2
     assert [row["name"] for row in data["sources"]] == ["docs", "news"]

@@ -7,7 +7,7 @@ from django.db import connection
 from django.db.models.functions import Now
 from structlog.testing import capture_logs
 
-from jobs import engine
+from jobs import context, engine
 from jobs.context import JobContext
 from jobs.models import Job, Lease, Outcome, State, Worker
 from tests.testapp.models import Effect
@@ -117,7 +117,8 @@ def test_atomic_complete_then_normal_return_does_not_settle_twice(run_worker):
     assert Job.objects.get(pk=job.pk).result == "done"
 
 
-def test_progress_is_recorded_and_fenced():
+def test_progress_is_recorded_and_fenced(monkeypatch):
+    monkeypatch.setattr(context, "PROGRESS_INTERVAL", 0.0)  # no throttle: every call writes
     engine.enqueue("test.echo")
     claimed = claim_one()
     ctx = JobContext(claimed, "w1")

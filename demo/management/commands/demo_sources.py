@@ -50,7 +50,9 @@ class Command(JobsCommand):
         with FixtureSite() as site:
             site.add_samples()
             self.say(f"fixture site at {site.base_url}/ with {len(site.documents)} documents")
-            source = add_source(name, "sitemap", site.url("/sitemap.xml"), spacing=0)
+            source = add_source(
+                name, "sitemap", site.url("/sitemap.xml"), spacing=0, allow_private=True
+            )
             self.say(f"added source {name!r}: sitemap {source.url}, spacing 0 s")
             cycles = [self.cycle(source, 1)]
             hits = search(options["query"], source=name, limit=1)

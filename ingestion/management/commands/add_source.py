@@ -31,6 +31,13 @@ class Command(JobsCommand):
             help="listing pages one discovery job reads (default 10)",
         )
 
+        parser.add_argument(
+            "--allow-private",
+            action="store_true",
+            help="let this source reach loopback, private and link-local addresses (your own"
+            " hosts); metadata, multicast and unspecified addresses stay refused",
+        )
+
     def handle(self, *args: Any, **options: Any) -> None:
         source = add_source(
             options["name"],
@@ -39,6 +46,7 @@ class Command(JobsCommand):
             schedule=options["schedule"],
             spacing=options["spacing"],
             max_pages_per_run=options["max_pages_per_run"],
+            allow_private=options["allow_private"],
         )
         if options["as_json"]:
             self.emit_json(source_dict(source))
@@ -46,4 +54,5 @@ class Command(JobsCommand):
         self.stdout.write(
             f"added source {source.name} ({source.kind} {source.url}); discovery schedule "
             f"'{source.schedule}' (UTC), spacing {source.spacing_seconds:g} s"
+            + (", private addresses allowed" if source.allow_private else "")
         )

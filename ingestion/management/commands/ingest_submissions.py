@@ -1,4 +1,5 @@
 import math
+import os
 from typing import Any
 
 from django.core.management.base import CommandParser
@@ -50,6 +51,9 @@ class Command(JobsCommand):
         grace = grace_seconds() if options["grace"] is None else options["grace"]
         if grace < 0:
             raise bad_input("--grace must be 0 (off) or positive")
+        if options["spool"] is not None and not os.path.isdir(options["spool"]):
+            what = "is not a directory" if os.path.exists(options["spool"]) else "does not exist"
+            raise bad_input(f"--spool {options['spool']!r} {what}")
         spool = Spool.from_settings(options["spool"])
         # A terminal gets one self-rewriting line; logs get periodic ingest_progress events.
         progress = ingester.progress_for(self.stderr, write=self._write_progress)

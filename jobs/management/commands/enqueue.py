@@ -30,6 +30,8 @@ class Command(JobsCommand):
             job_args = json.loads(options["job_args"])
         except json.JSONDecodeError as exc:
             raise bad_input(f"--args is not valid JSON: {exc}") from None
+        except RecursionError:
+            raise bad_input("--args is nested too deeply to be a job's arguments") from None
         run_at = None
         if options["run_at"]:
             run_at = parse_datetime(options["run_at"])

@@ -6,7 +6,7 @@ from django.db import migrations, models
 class Migration(migrations.Migration):
 
     dependencies = [
-        ('jobs', '0002_locks_and_events'),
+        ('jobs', '0003_i15_attempt_counts'),
     ]
 
     operations = [

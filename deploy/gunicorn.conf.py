@@ -1,0 +1,25 @@
+"""gunicorn settings for Holdfast's internal API (docs/deployment.md).
+
+    gunicorn -c deploy/gunicorn.conf.py config.wsgi:application
+
+Everything comes from the environment, like the rest of Holdfast's settings.
+"""
+
+import os
+
+bind = os.environ.get("HOLDFAST_API_BIND", "127.0.0.1:8000")
+workers = int(os.environ.get("HOLDFAST_API_WORKERS", "2"))
+# Sync workers: each request is a few indexed queries; the proxy buffers slow clients.
+worker_class = "sync"
+timeout = 30  # a request running longer than this is killed (and logged) by the arbiter
+graceful_timeout = 25  # on SIGTERM, in-flight requests get this long to finish
+max_requests = 10_000  # recycle workers now and then (bounded memory, whatever happens)
+max_requests_jitter = 1_000
+# Requests arrive from the TLS proxy on this host; say which peers may set
+# X-Forwarded-Proto / X-Forwarded-For (Django reads the scheme: HOLDFAST_BEHIND_TLS_PROXY).
+forwarded_allow_ips = os.environ.get("HOLDFAST_PROXY_IPS", "127.0.0.1,::1")
+# The API logs its own events (JSON on stderr, as every Holdfast process): gunicorn's
+# access log would only repeat them in another format.
+accesslog = None
+errorlog = "-"
+loglevel = os.environ.get("LOG_LEVEL", "info").lower()

@@ -1,0 +1,25 @@
+"""Durations as operators write them: ``90s``, ``30m``, ``12h``, ``14d``, ``2w``.
+
+One parser for every place that reads one (``prune_jobs --older-than``,
+``create_ops_token --expires-in``, the retention settings). No Django imports: the
+settings module uses it too.
+"""
+
+from __future__ import annotations
+
+import re
+from datetime import timedelta
+
+UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+EXAMPLES = "e.g. 14d, 12h, 30m, 90s, 2w"
+
+
+def parse(text: str) -> timedelta:
+    """``text`` as a timedelta; ValueError (saying what is wrong) otherwise."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhdw])\s*", text)
+    if match is None:
+        raise ValueError(f"not a duration: {text!r} (use {EXAMPLES})")
+    try:
+        return timedelta(seconds=float(match[1]) * UNITS[match[2]])
+    except OverflowError:
+        raise ValueError(f"duration {text!r} is too long") from None

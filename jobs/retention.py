@@ -1,0 +1,95 @@
+"""Retention: finished jobs (with their attempts, events and lock rows, which the database
+deletes with them) are deleted a set time after they finished.
+
+``prune_jobs`` runs it once by hand; every scheduler (``runscheduler``, ``runworker
+--with-scheduler``) runs it every ``HOLDFAST_RETENTION_SECONDS`` with the kept times of
+``HOLDFAST_RETAIN_SUCCEEDED``, ``HOLDFAST_RETAIN_CANCELLED`` and ``HOLDFAST_RETAIN_DEAD``.
+Deletes go in batches, each its own short transaction, oldest first; queued and running
+jobs are never touched. The metrics' counters (``jobs_attemptcount``) are not job rows:
+pruning never lowers them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from datetime import timedelta
+
+from django.conf import settings
+from django.db import transaction
+from django.db.models.functions import Now
+
+from .log import get_logger
+from .models import FINISHED_STATES, Job, State
+
+log = get_logger("jobs.retention")
+
+BATCH = 5000
+SCHEDULED_BATCHES = 20  # per state and scheduler pass: a pass never holds the loop long
+
+
+def configured() -> dict[str, timedelta]:
+    """The kept time of each finished state from the settings; a state set to ``off`` is
+    kept forever (absent here)."""
+    kept = {
+        State.SUCCEEDED: settings.HOLDFAST_RETAIN_SUCCEEDED,
+        State.CANCELLED: settings.HOLDFAST_RETAIN_CANCELLED,
+        State.DEAD: settings.HOLDFAST_RETAIN_DEAD,
+    }
+    return {state.value: after for state, after in kept.items() if after is not None}
+
+
+def prune(
+    rules: Mapping[str, timedelta],
+    *,
+    batch: int = BATCH,
+    max_batches: int | None = None,
+    dry_run: bool = False,
+) -> dict[str, int]:
+    """Delete the jobs of each state in ``rules`` that finished longer ago than its time
+    (database clock); returns how many per state (with ``dry_run``: how many would go)."""
+    found: dict[str, int] = {}
+    for state, older_than in rules.items():
+        if state not in FINISHED_STATES:
+            raise ValueError(f"only finished jobs are pruned, not {state!r} ones")
+        old = Job.objects.filter(state=state, finished_at__lt=Now() - older_than)
+        if dry_run:
+            found[state] = old.count()
+            continue
+        found[state] = 0
+        batches = 0
+        while max_batches is None or batches < max_batches:
+            with transaction.atomic():
+                # SKIP LOCKED (PostgreSQL): two schedulers pruning at once split the rows.
+                ids = list(
+                    old.select_for_update(skip_locked=True)
+                    .order_by("finished_at")
+                    .values_list("pk", flat=True)[:batch]
+                )
+                if not ids:
+                    break
+                Job.objects.filter(pk__in=ids, state=state).delete()
+            found[state] += len(ids)
+            batches += 1
+    return found
+
+
+class Retention:
+    """The scheduler's retention pass, run at most every ``HOLDFAST_RETENTION_SECONDS``
+    (sooner while a pass left rows behind)."""
+
+    def __init__(self) -> None:
+        self.next_at = 0.0
+
+    def run_if_due(self, now: float) -> None:
+        if now < self.next_at:
+            return
+        rules = configured()
+        deleted = prune(rules, max_batches=SCHEDULED_BATCHES) if rules else {}
+        left_behind = any(n >= SCHEDULED_BATCHES * BATCH for n in deleted.values())
+        self.next_at = now + (0.0 if left_behind else float(settings.HOLDFAST_RETENTION_SECONDS))
+        if any(deleted.values()):
+            log.info(
+                "retention_pruned",
+                deleted=deleted,
+                kept_s={state: after.total_seconds() for state, after in rules.items()},
+            )

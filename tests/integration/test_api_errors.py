@@ -1,0 +1,162 @@
+"""Every error status of the internal API is JSON (DESIGN §9), also those Django raises
+before a view runs; the logs of a 500 and a 401 reach stderr with DEBUG off."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+from django.conf import settings
+from django.test import Client
+
+from jobs import engine
+from ops import tokens, views
+from tests.conftest import REPO
+
+pytestmark = pytest.mark.django_db
+
+API = "/internal/v1/"
+DEEP = "[" * 10_000 + "]" * 10_000
+
+
+@pytest.fixture
+def write_token() -> str:
+    return tokens.create("ops-bot", "write")[1]
+
+
+@pytest.fixture
+def read_token() -> str:
+    return tokens.create("reader", "read")[1]
+
+
+def boom(*args: Any, **kwargs: Any) -> Any:
+    raise RuntimeError("a bug in the view")
+
+
+def request(method: str, path: str, token: str | None = None, **extra: Any):
+    headers = dict(extra.pop("headers", {}))
+    if token is not None:
+        headers["Authorization"] = f"Bearer {token}"
+    client = Client(raise_request_exception=False)
+    return client.generic(method, path, headers=headers, **extra)
+
+
+def assert_json_error(response, status: int, code: str | None = None) -> dict[str, Any]:
+    assert response.status_code == status, response.content[:300]
+    assert response["Content-Type"] == "application/json", response.content[:300]
+    data = json.loads(response.content)
+    assert isinstance(data["error"], str) and data["error"] and "\n" not in data["error"]
+    if code is not None:
+        assert data["code"] == code
+    return data
+
+
+ISSUE_RESOLVE = API + "reconciliation-issues/1/resolve/"
+TOO_MANY = "&".join(f"p{i}=1" for i in range(settings.DATA_UPLOAD_MAX_NUMBER_FIELDS + 1))
+BIG = b'{"comment": "' + b"x" * (settings.DATA_UPLOAD_MAX_MEMORY_SIZE + 1) + b'"}'
+
+# (status, method, path, token kind (None: no token), extra request arguments)
+MATRIX = [
+    (400, "GET", API + "dead-jobs/?bogus=1", "read", {}),
+    (400, "GET", API + "health/?" + TOO_MANY, None, {}),  # TooManyFieldsSent, no token
+    (400, "GET", API + "queue/?" + TOO_MANY, "read", {}),
+    (400, "GET", API + "health/", None, {"headers": {"Host": "evil.example"}}),  # DisallowedHost
+    (400, "GET", API + "queue/", "read", {"headers": {"Host": "evil.example"}}),
+    (400, "POST", ISSUE_RESOLVE, "write", {"data": DEEP, "content_type": "application/json"}),
+    (401, "GET", API + "queue/", None, {}),
+    (401, "GET", API + "health/", "bad", {}),
+    (403, "POST", ISSUE_RESOLVE, "read", {"data": "{}", "content_type": "application/json"}),
+    (404, "GET", API + "no-such-thing/", None, {}),
+    (404, "GET", "/elsewhere/", "read", {}),
+    (404, "GET", API + "jobs/999999/", "read", {}),
+    (405, "DELETE", API + "health/", None, {}),
+    (405, "PUT", API + "queue/", "write", {}),
+    (406, "GET", API + "health/", None, {"headers": {"Accept": "text/html"}}),
+    (406, "GET", API + "queue/", "read", {"headers": {"Accept": "text/html"}}),
+    (413, "POST", ISSUE_RESOLVE, "write", {"data": BIG, "content_type": "application/json"}),
+    (415, "POST", ISSUE_RESOLVE, "write", {"data": "comment=x", "content_type": "text/plain"}),
+]
+
+
+@pytest.mark.parametrize(
+    ("status", "method", "path", "who", "extra"),
+    MATRIX,
+    ids=[
+        f"{s}-{m}-{'token' if w else 'anonymous'}-{i}" for i, (s, m, _, w, _) in enumerate(MATRIX)
+    ],
+)
+def test_every_error_status_is_json(status, method, path, who, extra, read_token, write_token):
+    engine.enqueue("test.echo")
+    from ingestion import reconciliation
+
+    reconciliation.record("quarantined_submission", "a.json", details={})
+    token = {"read": read_token, "write": write_token, "bad": "hf_bad", None: None}[who]
+    assert_json_error(request(method, path, token, **extra), status)
+
+
+@pytest.mark.parametrize("who", ["read", None])
+def test_a_500_is_json_with_and_without_a_token(monkeypatch, read_token, who):
+    monkeypatch.setattr(views, "queue_status", boom)
+    monkeypatch.setattr(views, "spool_health", boom)
+    path = API + ("queue/" if who else "health/")
+    if who is None:  # health/ without a token reads nothing but the database: break that
+        monkeypatch.setattr(views.HealthView, "get", lambda self, request: boom())
+    response = request("GET", path, read_token if who else None)
+    assert_json_error(response, 500, "server_error")
+
+
+LOG_SCRIPT = """
+import django, sys
+django.setup()
+from django.test import Client
+from ops import tokens, views
+from tests.conftest import REPO
+
+def boom(*args, **kwargs):
+    raise RuntimeError("a bug in the view")
+
+views.queue_status = boom
+read = tokens.create("reader", "read")[1]
+revoked = tokens.create("old-bot", "read")[1]
+tokens.revoke("old-bot")
+client = Client(raise_request_exception=False)
+for token in (read, revoked, "hf_abcdefgh_" + "y" * 43):
+    client.get("/internal/v1/queue/", headers={"Authorization": f"Bearer {token}"})
+print(read)
+print(revoked)
+"""
+
+
+def test_logs_with_debug_off_hold_the_500_traceback_and_the_401(worker_env):
+    """Through the real LOGGING set-up, in a process of its own: JSON lines on stderr."""
+    env = {**worker_env, "DJANGO_DEBUG": "0", "LOG_LEVEL": "INFO"}
+    done = subprocess.run(
+        [sys.executable, "-c", LOG_SCRIPT],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPO,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    read, revoked = done.stdout.split()
+    err = done.stderr
+    lines = [json.loads(line) for line in err.splitlines()]  # every line is JSON
+    errors = [line for line in lines if line.get("logger") == "django.request"]
+    server_errors = [line for line in errors if line.get("status") == 500]
+    assert len(server_errors) == 1, err[-2000:]
+    assert server_errors[0]["level"] == "error"
+    assert "Traceback" in server_errors[0]["exception"]
+    assert "RuntimeError: a bug in the view" in server_errors[0]["exception"]
+    failed = [line for line in lines if line["event"] == "api_auth_failed"]
+    assert [(line["reason"], line["token_prefix"]) for line in failed] == [
+        ("revoked", revoked.split("_")[1]),
+        ("unknown", "abcdefgh"),
+    ]
+    assert all(line["client"] == "127.0.0.1" and line["level"] == "warning" for line in failed)
+    assert [line["status"] for line in errors if line["level"] == "warning"] == [401, 401]
+    for token in (read, revoked, "y" * 43):
+        assert token.split("_", 2)[-1] not in err

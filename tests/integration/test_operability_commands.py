@@ -1,0 +1,176 @@
+"""Operator loose ends: token listing and expiry, prune --dry-run, the built-in retention,
+resolve_reconciliation_issue, and enqueue's over-deep --args."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+import time_machine
+from django.test import Client
+from django.utils import timezone
+
+from ingestion import reconciliation
+from ingestion.models import ReconciliationIssue
+from jobs import engine, retention
+from jobs.models import AttemptCount, Job, JobEvent, Lease, State
+from jobs.scheduler import SchedulerLoop
+from ops import tokens
+from ops.models import OpsToken
+
+from .helpers import claim_one, exit_code, failure, run, run_json
+
+pytestmark = pytest.mark.django_db
+
+
+# --- tokens ------------------------------------------------------------------------------
+
+
+def get_queue(token: str):
+    return Client().get("/internal/v1/queue/", headers={"Authorization": f"Bearer {token}"})
+
+
+def test_an_expired_token_is_refused_like_a_revoked_one():
+    created = run_json("create_ops_token", "short", "--scope", "read", "--expires-in", "2h")
+    assert created["expires_at"] is not None
+    token = created["token"]
+    assert get_queue(token).status_code == 200
+    with time_machine.travel(timezone.now() + timedelta(hours=2, seconds=1), tick=False):
+        response = get_queue(token)
+        assert response.status_code == 401
+        assert response.json()["code"] == "authentication_failed"
+        assert tokens.check(token).reason == "expired"
+        listed = {row["name"]: row for row in run_json("list_ops_tokens")["tokens"]}
+        assert listed["short"]["status"] == "expired"
+
+
+def test_list_ops_tokens_shows_everything_but_the_secret():
+    _, live = tokens.create("reader", "read")
+    _, old = tokens.create("old-bot", "write")
+    tokens.revoke("old-bot")
+    get_queue(live)
+    listing = run_json("list_ops_tokens")
+    assert listing["count"] == 2
+    rows = {row["name"]: row for row in listing["tokens"]}
+    assert rows["reader"]["status"] == "live" and rows["reader"]["last_used_at"] is not None
+    assert rows["reader"]["prefix"] == live.split("_")[1]
+    assert rows["reader"]["expires_at"] is None
+    assert rows["old-bot"]["status"] == "revoked" and rows["old-bot"]["revoked_at"]
+    assert set(rows["reader"]) == {
+        "name",
+        "scope",
+        "prefix",
+        "status",
+        "created_at",
+        "last_used_at",
+        "expires_at",
+        "revoked_at",
+    }
+    human = run("list_ops_tokens")
+    for text in (run("list_ops_tokens", "--json"), human):
+        assert live.split("_", 2)[2] not in text and old.split("_", 2)[2] not in text
+    assert "reader" in human and "revoked" in human
+
+
+@pytest.mark.parametrize("duration", ["soon", "0s", "-1d", "10y"])
+def test_a_bad_expires_in_is_bad_input(duration):
+    assert exit_code("create_ops_token", "x", "--scope", "read", f"--expires-in={duration}") == 2
+    assert not OpsToken.objects.exists()
+
+
+# --- pruning and retention ---------------------------------------------------------------
+
+
+def finished(state: str, age: timedelta, kind: str = "test.echo") -> Job:
+    """A real finished job (claimed and settled), then aged by ``age``."""
+    job = engine.enqueue(kind)
+    claimed = claim_one()
+    if state == State.SUCCEEDED:
+        engine.complete(claimed, None)
+    elif state == State.CANCELLED:
+        engine.cancelled(claimed)
+    else:
+        engine.fail(claimed, failure(permanent=True), backoff_seconds=0)
+    Job.objects.filter(pk=job.pk).update(finished_at=timezone.now() - age)
+    return Job.objects.get(pk=job.pk)
+
+
+def test_prune_dry_run_counts_and_deletes_nothing():
+    finished(State.SUCCEEDED, timedelta(days=30))
+    finished(State.DEAD, timedelta(days=30))
+    finished(State.SUCCEEDED, timedelta(hours=1))
+    out = run_json("prune_jobs", "--older-than", "14d", "--dry-run")
+    assert out["dry_run"] is True and out["would_delete"] == 1 and out["deleted"] == 0
+    with_dead = run_json("prune_jobs", "--older-than", "14d", "--dry-run", "--include-dead")
+    assert with_dead["would_delete"] == 2
+    assert Job.objects.count() == 3
+    assert "would prune 1" in run("prune_jobs", "--older-than", "14d", "--dry-run")
+    assert run_json("prune_jobs", "--older-than", "14d")["deleted"] == 1
+    assert Job.objects.count() == 2
+
+
+def test_retention_removes_exactly_what_it_should(settings):
+    settings.HOLDFAST_RETAIN_SUCCEEDED = timedelta(days=7)
+    settings.HOLDFAST_RETAIN_CANCELLED = timedelta(days=1)
+    settings.HOLDFAST_RETAIN_DEAD = None  # off: kept forever
+    gone = [
+        finished(State.SUCCEEDED, timedelta(days=8)),
+        finished(State.CANCELLED, timedelta(days=2)),
+    ]
+    kept = [
+        finished(State.SUCCEEDED, timedelta(days=6)),
+        finished(State.CANCELLED, timedelta(hours=12)),
+        finished(State.DEAD, timedelta(days=400)),
+        engine.enqueue("test.echo", delay=3600),  # queued
+    ]
+    engine.enqueue("test.noop")
+    running = claim_one()
+    Job.objects.filter(pk=running.id).update(created_at=timezone.now() - timedelta(days=99))
+    kept.append(Job.objects.get(pk=running.id))
+    counted = list(AttemptCount.objects.values_list("kind", "outcome", "count"))
+
+    SchedulerLoop().run_once()  # the scheduler runs the retention pass
+
+    assert set(Job.objects.values_list("pk", flat=True)) == {job.pk for job in kept}
+    gone_ids = [job.pk for job in gone]
+    assert not Lease.objects.filter(job_id__in=gone_ids).exists()
+    assert not JobEvent.objects.filter(job_id__in=gone_ids).exists()
+    assert list(AttemptCount.objects.values_list("kind", "outcome", "count")) == counted
+
+
+def test_retention_goes_in_batches_and_the_scheduler_comes_back_for_the_rest(settings):
+    settings.HOLDFAST_RETAIN_SUCCEEDED = timedelta(days=1)
+    for _ in range(5):
+        finished(State.SUCCEEDED, timedelta(days=2))
+    assert retention.prune({State.SUCCEEDED: timedelta(days=1)}, batch=2, max_batches=1) == {
+        State.SUCCEEDED: 2
+    }
+    assert Job.objects.count() == 3
+    assert retention.prune({State.SUCCEEDED: timedelta(days=1)}, batch=2) == {State.SUCCEEDED: 3}
+    assert not Job.objects.exists()
+
+
+def test_prune_refuses_active_states():
+    with pytest.raises(ValueError, match="finished"):
+        retention.prune({State.QUEUED: timedelta(days=1)})
+
+
+# --- reconciliation and enqueue ----------------------------------------------------------
+
+
+def test_resolve_reconciliation_issue_from_the_command_line():
+    issue = reconciliation.record("quarantined_submission", "a.json", details={})
+    out = run_json("resolve_reconciliation_issue", str(issue.pk), "--comment", "re-sent")
+    assert out["status"] == "resolved" and out["comment"] == "re-sent"
+    assert out["resolved_by"].startswith("cli")
+    assert ReconciliationIssue.objects.get(pk=issue.pk).status == "resolved"
+    again = ("resolve_reconciliation_issue", str(issue.pk), "--comment", "x")
+    assert exit_code(*again) == 1  # already resolved: a conflict
+    assert exit_code("resolve_reconciliation_issue", "999999", "--comment", "x") == 2
+    assert exit_code("resolve_reconciliation_issue", str(issue.pk), "--comment", "  ") == 2
+
+
+def test_enqueue_args_nested_too_deeply_is_bad_input():
+    deep = "[" * 10_000 + "]" * 10_000
+    assert exit_code("enqueue", "test.echo", "--args", deep) == 2
+    assert not Job.objects.exists()

@@ -1,0 +1,73 @@
+"""``ctx.progress`` is throttled (one write per PROGRESS_INTERVAL) and never loses the last
+value: the next write, the next fenced block, or the worker's settle carries it."""
+
+from __future__ import annotations
+
+import pytest
+
+from jobs import context, engine
+from jobs.context import JobContext
+from jobs.models import Job, JobEvent
+
+from .helpers import claim_one
+
+pytestmark = pytest.mark.django_db
+
+
+def progress_events(job_id: int) -> list[dict]:
+    return list(
+        JobEvent.objects.filter(job_id=job_id, event="progress")
+        .order_by("pk")
+        .values_list("data", flat=True)
+    )
+
+
+def test_a_burst_of_progress_writes_once_then_keeps_the_last_value():
+    job = engine.enqueue("test.echo")
+    ctx = JobContext(claim_one(), "w1")
+    for done in range(1, 101):
+        ctx.progress(done, 100, f"item {done}")
+    assert len(progress_events(job.pk)) == 1, "one write for the burst"
+    assert Job.objects.get(pk=job.pk).progress == {"done": 1, "total": 100, "note": "item 1"}
+    ctx.flush_progress()
+    assert Job.objects.get(pk=job.pk).progress == {"done": 100, "total": 100, "note": "item 100"}
+    assert len(progress_events(job.pk)) == 2
+    ctx.flush_progress()  # nothing pending: no write
+    assert len(progress_events(job.pk)) == 2
+
+
+def test_the_last_value_commits_with_the_completion(monkeypatch):
+    monkeypatch.setattr(context, "PROGRESS_INTERVAL", 3600.0)
+    job = engine.enqueue("test.echo")
+    ctx = JobContext(claim_one(), "w1")
+    ctx.progress(1, 3)
+    ctx.progress(3, 3, "done")
+    with ctx.atomic(complete=True, result={"ok": True}):
+        pass
+    finished = Job.objects.get(pk=job.pk)
+    assert finished.state == "succeeded"
+    assert finished.progress == {"done": 3, "total": 3, "note": "done"}
+
+
+def test_a_rolled_back_block_keeps_the_pending_value(monkeypatch):
+    monkeypatch.setattr(context, "PROGRESS_INTERVAL", 3600.0)
+    job = engine.enqueue("test.echo")
+    ctx = JobContext(claim_one(), "w1")
+    ctx.progress(1, 2)
+    ctx.progress(2, 2)
+    with pytest.raises(RuntimeError), ctx.atomic():
+        raise RuntimeError("the block fails")
+    assert Job.objects.get(pk=job.pk).progress == {"done": 1, "total": 2, "note": ""}
+    ctx.flush_progress()
+    assert Job.objects.get(pk=job.pk).progress == {"done": 2, "total": 2, "note": ""}
+
+
+def test_the_worker_writes_the_last_value_before_it_settles(run_worker, monkeypatch):
+    monkeypatch.setattr(context, "PROGRESS_INTERVAL", 3600.0)
+    job = engine.enqueue("test.cancellable", {"seconds": 0.35})
+    assert run_worker() == 1
+    finished = Job.objects.get(pk=job.pk)
+    assert finished.state == "succeeded"
+    events = progress_events(job.pk)
+    assert len(events) == 2, events  # the first call, then the last value before the settle
+    assert finished.progress["done"] == events[-1]["done"] > 1
