@@ -21,7 +21,7 @@ from typing import Any
 import psycopg
 from django.conf import settings
 from django.db import IntegrityError, OperationalError, connection, transaction
-from django.db.models import F, Q, QuerySet
+from django.db.models import F, Q, QuerySet, Subquery
 from django.db.models.base import ModelState
 from django.db.models.functions import Now
 from django.utils import timezone
@@ -764,11 +764,16 @@ def release_orphans(worker_id: str, keep: int | None = None) -> list[int]:
     """Give back (uncharged) every job leased to ``worker_id`` except ``keep``.
 
     For a worker that reconnects after an outage: a claim whose commit acknowledgement was
-    lost left a job leased to it that it is not running. Each release is fenced by the
-    job's lease token like any settle. Worker ids must be unique to one process (the
-    default, ``host:pid``, is).
+    lost left a job leased to it that it is not running. Only claims made since this
+    worker registered count: a job an earlier process with the same id (a restarted
+    systemd unit) held when it died is left to reclaim, charged, so a job that kills its
+    worker still runs out of attempts. Each release is fenced by the job's lease token
+    like any settle. Two live processes must not share a worker id.
     """
-    orphans = Job.objects.filter(state=State.RUNNING, leased_by=worker_id)
+    registered = Worker.objects.filter(pk=worker_id).values("started_at")[:1]
+    orphans = Job.objects.filter(
+        state=State.RUNNING, leased_by=worker_id, started_at__gte=Subquery(registered)
+    )
     if keep is not None:
         orphans = orphans.exclude(pk=keep)
     released = []

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import threading
 import time
+from datetime import timedelta
 
 import pytest
 from django.db import OperationalError, connection, transaction
+from django.utils import timezone
 
 from jobs import LeaseLost, StateConflict, engine
 from jobs.context import JobContext
@@ -116,3 +118,19 @@ def test_cancel_of_a_running_job_whose_lease_expired_ends_it_at_once():
     assert [e.event for e in engine.events(job.pk)][-2:] == ["heartbeat_missed", "reclaimed"]
     with pytest.raises(LeaseLost):
         engine.complete(claimed)
+
+
+@pytest.mark.django_db
+def test_a_restarted_worker_leaves_its_previous_incarnations_job_to_reclaim():
+    """Same worker id (a systemd unit restarted after its process died): the job the dead
+    process held is not this process's claim, so it is not given back uncharged; its
+    lease expires and reclaim charges it (a job that kills its worker still goes dead)."""
+    engine.enqueue("test.echo")
+    earlier = claim_one("host-1")
+    Job.objects.filter(pk=earlier.id).update(started_at=timezone.now() - timedelta(minutes=1))
+    engine.register_worker("host-1", None, ["test.echo"])  # the restarted process
+    assert engine.release_orphans("host-1") == []
+    assert Job.objects.get(pk=earlier.id).state == State.RUNNING
+    engine.enqueue("test.echo")
+    mine = claim_one("host-1")
+    assert engine.release_orphans("host-1", keep=None) == [mine.id]
