@@ -169,8 +169,15 @@ def database_config(variable: str = "DATABASE_URL") -> dict[str, Any]:
         # Workers keep their connection across jobs; health checks replace dead ones.
         config["CONN_MAX_AGE"] = None
         config["CONN_HEALTH_CHECKS"] = True
-        # A partitioned network must fail fast, so the worker can log and back off.
-        config["OPTIONS"] = {"connect_timeout": 10, **dict(config.get("OPTIONS") or {})}
+        # A partitioned network must fail fast, so the worker can log and back off; TCP
+        # keepalives find a dead peer on an idle connection within about a minute.
+        keepalives = {"keepalives": 1, "keepalives_idle": 30, "keepalives_interval": 10}
+        config["OPTIONS"] = {
+            "connect_timeout": 10,
+            **keepalives,
+            "keepalives_count": 3,
+            **dict(config.get("OPTIONS") or {}),
+        }
         test_url = os.environ.get("TEST_DATABASE_URL", "").strip()
         if test_url:
             config["TEST"] = {"NAME": dj_database_url.parse(test_url)["NAME"]}

@@ -9,29 +9,37 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from django.db import transaction
+from django.db import connection, transaction
 
-from . import engine
+from . import engine, sql
 from .exceptions import Cancelled, LeaseLost
 from .sql import Claimed
 
 PROGRESS_INTERVAL = 1.0  # seconds: at most one progress write per job and second
+SIDE_HEARTBEAT_TIMEOUT = 10.0  # seconds ctx.heartbeat() waits for a renewal on its own
 
 
 class JobContext:
     """What a handler knows about its job, and how it writes under the lease.
 
-    ``ctx.atomic()`` is ``transaction.atomic()`` plus a fence: it first locks the job row
-    iff the job is still ``running`` under this lease token, so anything the block writes
-    commits only while the lease holds (I2). ``ctx.atomic(complete=True, result=...)``
-    also marks the job succeeded in the same transaction (I4).
+    ``ctx.atomic()`` is ``transaction.atomic()`` plus a fence. It checks the lease when
+    it opens (LeaseLost at once if it is gone) and, as the transaction's last statement,
+    updates the job row iff the job is still ``running`` under this lease token, so what
+    the block wrote commits only while the lease holds (I2): a stale block rolls back.
+    ``ctx.atomic(complete=True, result=...)`` marks the job succeeded as that last
+    statement instead (I4). No lock on the job row is held while the block's code runs, so
+    a worker frozen inside it never holds up reclaim, cancel or heartbeats; on PostgreSQL
+    the server also ends its session after one lease idle in the transaction.
     """
 
     Cancelled = Cancelled
 
-    def __init__(self, job: Claimed, worker_id: str) -> None:
+    def __init__(self, job: Claimed, worker_id: str, own_connection: bool = False) -> None:
         self.job = job
         self.worker_id = worker_id
+        # Run by a worker (its rows committed): a heartbeat inside a transaction may use a
+        # connection of its own. Built by hand (tests), it stays on the caller's.
+        self.own_connection = own_connection
         self.completed = False
         self.settling = False  # set by the worker once the handler has returned
         self.result: Any = None
@@ -72,16 +80,22 @@ class JobContext:
         if self.completed:
             raise RuntimeError(f"job {self.job_id} already completed in an earlier ctx.atomic()")
         written = None
+        outermost = not connection.in_atomic_block
         try:
             with transaction.atomic():
-                engine.fence(self.job_id, self.lease_token, self.job.lease_seconds)
-                written = self._write_pending_progress()
+                engine.check_lease(self.job, idle_timeout=outermost)
                 yield
+                # The fence is the block's last statement, so it and the commit serialize
+                # with any reclaim or settle of the job row (see engine.fence). A held-back
+                # progress write is guarded by state and lease token too, so it is a fence.
+                written = self._write_pending_progress()
                 if complete:
                     engine.complete(self.job, result)
                     # Only once it commits: inside a handler's own outer transaction that
                     # later rolls back, the job is not complete and the worker settles it.
                     transaction.on_commit(lambda: self._mark_completed(result))
+                elif written is None:
+                    engine.fence(self.job_id, self.lease_token, self.job.lease_seconds)
         except LeaseLost:
             self.mark_lease_lost()
             raise
@@ -95,13 +109,44 @@ class JobContext:
         self.result = result
 
     def heartbeat(self) -> None:
-        """Renew the lease now (the worker also does this in the background)."""
+        """Renew the lease now (the worker also does this in the background).
+
+        Inside a transaction (``ctx.atomic()``, or the handler's own) on PostgreSQL, in a
+        worker, the renewal runs on a connection of its own: it commits at once, holds no
+        lock in the handler's transaction and leaves its settings alone. Otherwise it is
+        the bare fenced statement, in the caller's transaction, which it never changes the
+        settings of. (SQLite has one writer at a time, so there it joins the transaction.)
+        """
         try:
-            if engine.heartbeat(self.job):
+            if self.own_connection and connection.in_atomic_block and sql.is_postgres():
+                cancel_requested = self._heartbeat_elsewhere()
+            else:
+                cancel_requested = engine.heartbeat(self.job)
+            if cancel_requested:
                 self.mark_cancel_requested()
         except LeaseLost:
             self.mark_lease_lost()
             raise
+
+    def _heartbeat_elsewhere(self) -> bool:
+        outcome: dict[str, Any] = {}
+
+        def renew() -> None:
+            try:
+                outcome["cancel"] = engine.heartbeat(self.job)
+            except BaseException as exc:  # handed to the caller's thread
+                outcome["error"] = exc
+            finally:
+                connection.close()
+
+        side = threading.Thread(target=renew, name="ctx-heartbeat", daemon=True)
+        side.start()
+        side.join(SIDE_HEARTBEAT_TIMEOUT)
+        if side.is_alive() or ("error" in outcome and not isinstance(outcome["error"], LeaseLost)):
+            return False  # not renewed now; the lease keeper renews it in the background
+        if "error" in outcome:
+            raise outcome["error"]
+        return bool(outcome["cancel"])
 
     def progress(self, done: int, total: int | None = None, note: str = "") -> None:
         """Record progress on the job, fenced like every other write.
@@ -127,8 +172,9 @@ class JobContext:
                 pass  # atomic() writes the pending progress inside its transaction
 
     def _write_pending_progress(self) -> tuple[int, int | None, str] | None:
-        """Inside a fenced block: write the held-back progress; returns what it wrote (the
-        block puts it back if it rolls back)."""
+        """At the end of a fenced block: write the held-back progress (guarded: LeaseLost
+        if the lease is gone); returns what it wrote (the block puts it back if it rolls
+        back)."""
         pending = self._pending_progress
         if pending is None:
             return None

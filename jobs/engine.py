@@ -18,8 +18,9 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+import psycopg
 from django.conf import settings
-from django.db import IntegrityError, connection, transaction
+from django.db import IntegrityError, OperationalError, connection, transaction
 from django.db.models import F, Q, QuerySet, Subquery
 from django.db.models.base import ModelState
 from django.db.models.functions import Now
@@ -37,7 +38,7 @@ from .exceptions import (
 )
 from .log import get_logger
 from .models import ACTIVE_STATES, Job, JobEvent, JobLock, Lease, Outcome, State, Worker
-from .registry import DEFAULT_MAX_ATTEMPTS, HandlerSpec, get_handler
+from .registry import DEFAULT_MAX_ATTEMPTS, HandlerSpec, all_handlers, get_handler
 from .sql import Claimed, Settlement
 
 log = get_logger("jobs.engine")
@@ -444,16 +445,23 @@ def job_log_context(job: Claimed, worker_id: str | None = None) -> dict[str, Any
 
 
 def claim(
-    worker_id: str, lanes: Sequence[str] | None = None, limits: Mapping[str, int] | None = None
+    worker_id: str,
+    lanes: Sequence[str] | None = None,
+    limits: Mapping[str, int] | None = None,
+    kinds: Sequence[str] | None = None,
 ) -> Claimed | None:
     """Claim the best runnable job under a fresh lease (I1): one atomic statement.
 
     ``limits`` (lane → max_running, default: from ``HOLDFAST_LANES``) keeps limited lanes
-    within their running limit across all workers.
+    within their running limit across all workers. Only jobs of ``kinds`` are claimed
+    (default: every kind registered in this process), so a job no handler here can run
+    stays queued, uncharged, for a worker that knows it.
     """
     if limits is None:
         limits = lane_config.running_limits(lanes)
-    job = sql.claim(worker_id, lanes, limits)
+    if kinds is None:
+        kinds = served_kinds()
+    job = sql.claim(worker_id, lanes, limits, kinds)
     _log_claimed(job, worker_id)
     return job
 
@@ -538,15 +546,19 @@ def settle_and_claim(
     worker_id: str | None,
     lanes: Sequence[str] | None,
     limits: Mapping[str, int] | None = None,
+    kinds: Sequence[str] | None = None,
 ) -> Claimed | None:
     """Settle ``job`` and claim the worker's next job in the same commit.
 
     Either part may be absent: no verdict (the handler completed inside
     ``ctx.atomic(complete=True)``) or no worker id (the worker is stopping). A lost lease
-    is logged, not raised: the worker carries on with the next job.
+    is logged, not raised: the worker carries on with the next job. The claim takes only
+    ``kinds`` (default: every kind registered here).
     """
+    if kinds is None and worker_id is not None:
+        kinds = served_kinds()
     settled, claimed = sql.settle_and_claim(
-        job, verdict.how if verdict else None, worker_id, lanes, limits
+        job, verdict.how if verdict else None, worker_id, lanes, limits, kinds
     )
     if verdict is not None:
         _log_settled(job, verdict, settled)
@@ -609,13 +621,45 @@ def _log_settled(job: Claimed, verdict: Verdict, settled: bool) -> bool:
     return settled
 
 
-def fence(job_id: int, lease_token: int, lease_seconds: float | None = None) -> None:
-    """Inside a transaction: lock the job row iff it is still ours, else raise LeaseLost.
+def served_kinds() -> list[str]:
+    """The job kinds this process has handlers for: what its workers claim."""
+    return [spec.kind for spec in all_handlers()]
 
-    The row lock (an UPDATE, so it works on both databases) holds until the transaction
-    ends, so a reclaim cannot interleave with the block that called this. With
-    ``lease_seconds`` it also renews the lease, since the worker's own heartbeat cannot
-    touch the row while the block holds it: a fenced block may last up to one lease.
+
+def check_lease(job: Claimed, idle_timeout: bool = False) -> None:
+    """At the start of a fenced block: raise LeaseLost at once if the lease is gone.
+
+    A read, not a lock: the block holds no lock on the job row while handler code runs, so
+    heartbeats, reclaim and cancel never wait behind it. With ``idle_timeout`` (PostgreSQL,
+    the outermost block) it also sets ``idle_in_transaction_session_timeout`` to one lease
+    for this transaction only, so a worker frozen inside the block (paused VM, SIGSTOP, cut
+    network) has its session ended by the server, and with it every lock it holds, within
+    a lease.
+    """
+    if sql.is_postgres() and idle_timeout:
+        timeout_ms = str(max(1000, int(job.lease_seconds * 1000)))
+        query = (
+            "SELECT set_config('idle_in_transaction_session_timeout', %s, true) FROM jobs_job "
+            "WHERE id = %s AND state = 'running' AND lease_token = %s"
+        )
+        params: list[Any] = [timeout_ms, job.id, job.lease_token]
+    else:
+        query = "SELECT 1 FROM jobs_job WHERE id = %s AND state = 'running' AND lease_token = %s"
+        params = [job.id, job.lease_token]
+    with connection.cursor() as cursor:
+        cursor.execute(query, params)
+        if cursor.fetchone() is None:
+            raise LeaseLost(f"job {job.id} is no longer running under lease {job.lease_token}")
+
+
+def fence(job_id: int, lease_token: int, lease_seconds: float | None = None) -> None:
+    """Inside a transaction, as its last statement: lock the job row iff it is still ours
+    (and renew the lease, with ``lease_seconds``), else raise LeaseLost.
+
+    The row lock lasts only until the commit that follows at once, and it serializes that
+    commit with any reclaim or settle of the row: if a reclaimer got the row first, this
+    UPDATE waits for it, then matches nothing (LeaseLost: the block rolls back, I2); if
+    this got it first, the reclaim waits for the commit and then finds the lease renewed.
     """
     renew: dict[str, Any] = {}
     if lease_seconds is not None:
@@ -633,10 +677,11 @@ def fence(job_id: int, lease_token: int, lease_seconds: float | None = None) -> 
 def record_progress(job: Claimed, done: int, total: int | None, note: str) -> None:
     """Store the handler's progress report; call inside a fenced ``ctx.atomic()``."""
     progress = {"done": done, "total": total, "note": note}
-    if Job.objects.filter(pk=job.id, state=State.RUNNING, lease_token=job.lease_token).update(
+    if not Job.objects.filter(pk=job.id, state=State.RUNNING, lease_token=job.lease_token).update(
         progress=progress, updated_at=Now()
     ):
-        _event(job.id, "progress", job.lease_token, done=done, total=total, note=note)
+        raise LeaseLost(f"job {job.id} is no longer running under lease {job.lease_token}")
+    _event(job.id, "progress", job.lease_token, done=done, total=total, note=note)
     log.info("job_progress", job_id=job.id, done=done, total=total, note=note)
 
 
@@ -665,91 +710,97 @@ def held_locks(job_id: int | None = None) -> QuerySet[JobLock]:
 
 
 def heartbeat(job: Claimed) -> bool:
-    """Renew the lease from the database clock; returns whether a cancel was requested."""
-    expires = Now() + timedelta(seconds=job.lease_seconds)
-    with transaction.atomic():
-        sql.heartbeat_settings()
-        matched = Job.objects.filter(
-            pk=job.id, state=State.RUNNING, lease_token=job.lease_token
-        ).update(lease_expires_at=expires, heartbeat_at=Now())
-        if matched != 1:
-            raise LeaseLost(f"job {job.id} is no longer running under lease {job.lease_token}")
-        Lease.objects.filter(pk=job.lease_id).update(
-            expires_at=Subquery(Job.objects.filter(pk=job.id).values("lease_expires_at")[:1])
-        )
-        return bool(
-            Job.objects.filter(pk=job.id).values_list("cancel_requested", flat=True).first()
-        )
+    """Renew the lease from the database clock; returns whether a cancel was requested.
+
+    One fenced statement (``jobs.sql.heartbeat``); raises LeaseLost if the lease is gone.
+    """
+    cancel_requested = sql.heartbeat(job)
+    if cancel_requested is None:
+        raise LeaseLost(f"job {job.id} is no longer running under lease {job.lease_token}")
+    return cancel_requested
 
 
 # --- recovery --------------------------------------------------------------------------
 
 
-def reclaim_expired(limit: int = 500) -> list[int]:
+def reclaim_expired(limit: int = sql.RECLAIM_BATCH) -> list[int]:
     """Put ``running`` jobs whose lease expired back in the queue (or ``dead`` when spent).
 
-    The UPDATE re-checks ``state = 'running'`` and the expiry against the database clock
-    row by row, so it never clobbers a job that was completed or renewed meanwhile.
+    One statement for every expired lease (up to ``limit``), whatever their number
+    (``jobs.sql.reclaim``): it skips rows a live transaction holds, re-checks state, token
+    and expiry against the database clock on each row it takes, so it never clobbers a job
+    completed or renewed meanwhile, frees only the reclaimed lease's locks, and leaves
+    ``run_at`` alone, so the job keeps its place in the queue. Each attempt it ends is
+    recorded as ``lease_expired``: its worker died or stopped responding during it.
     """
-    reclaimed: list[int] = []
-    with transaction.atomic():
-        # SKIP LOCKED: a row locked by a live fenced block (ctx.atomic) is not waited on;
-        # the next pass sees it again once that transaction has ended.
-        expired = list(
-            Job.objects.select_for_update(skip_locked=True)
-            .filter(state=State.RUNNING, lease_expires_at__lt=Now())
-            .order_by("lease_expires_at")
-            .values_list(
-                "pk",
-                "lease_token",
-                "attempts",
-                "max_attempts",
-                "kind",
-                "lane",
-                "leased_by",
-                "heartbeat_at",
-                "lease_expires_at",
-            )[:limit]
+    reclaimed = sql.reclaim(limit)
+    _log_reclaimed(reclaimed)
+    return [job.id for job in reclaimed]
+
+
+def _log_reclaimed(reclaimed: Sequence[sql.Reclaimed]) -> None:
+    if len(reclaimed) > 100:  # one line per pass, not per job
+        states = {state: sum(job.state == state for job in reclaimed) for state in State}
+        log.warning(
+            "leases_reclaimed",
+            count=len(reclaimed),
+            **{state: n for state, n in states.items() if n},
         )
-        for pk, token, attempts, max_attempts, kind, lane, leased_by, beat, expiry in expired:
-            spent = attempts >= max_attempts
-            message = f"LeaseExpired: worker {leased_by} stopped renewing lease {token}"
-            new_state = State.DEAD if spent else State.QUEUED
-            matched = Job.objects.filter(
-                pk=pk, state=State.RUNNING, lease_token=token, lease_expires_at__lt=Now()
-            ).update(
-                state=new_state,
-                run_at=Now(),
-                last_error=message,
-                finished_at=Now() if spent else None,
-                leased_by=None,
-                lease_expires_at=None,
-                updated_at=Now(),
-            )
-            if matched != 1:
-                continue
-            Lease.objects.filter(job_id=pk, lease_token=token).update(
-                outcome=Outcome.LEASE_EXPIRED,
-                released_at=Now(),
-                error_class="LeaseExpired",
-                error_message=message,
-            )
-            JobLock.objects.filter(job_id=pk, lease_token=token).delete()
-            sql.count_attempt(kind, Outcome.LEASE_EXPIRED, pk, token)  # the metrics' counter
-            _event(pk, "heartbeat_missed", token, leased_by or "", last_heartbeat_at=beat)
-            _event(pk, "reclaimed", token, leased_by or "", expired_at=expiry, state=new_state)
-            reclaimed.append(pk)
-            log.warning(
-                "lease_reclaimed",
-                job_id=pk,
-                kind=kind,
-                lane=lane,
-                attempt=attempts,
-                lease_token=token,
-                worker_id=leased_by,
-                new_state="dead" if spent else "queued",
-            )
-    return reclaimed
+        return
+    for job in reclaimed:
+        log.warning(
+            "lease_reclaimed",
+            job_id=job.id,
+            kind=job.kind,
+            lane=job.lane,
+            attempt=job.attempt,
+            lease_token=job.lease_token,
+            worker_id=job.worker_id,
+            new_state=job.state,
+        )
+
+
+def release_orphans(worker_id: str, keep: int | None = None) -> list[int]:
+    """Give back (uncharged) every job leased to ``worker_id`` except ``keep``.
+
+    For a worker that reconnects after an outage: a claim whose commit acknowledgement was
+    lost left a job leased to it that it is not running. Only claims made since this
+    worker registered count: a job an earlier process with the same id (a restarted
+    systemd unit) held when it died is left to reclaim, charged, so a job that kills its
+    worker still runs out of attempts. Each release is fenced by the job's lease token
+    like any settle. Two live processes must not share a worker id.
+    """
+    registered = Worker.objects.filter(pk=worker_id).values("started_at")[:1]
+    orphans = Job.objects.filter(
+        state=State.RUNNING, leased_by=worker_id, started_at__gte=Subquery(registered)
+    )
+    if keep is not None:
+        orphans = orphans.exclude(pk=keep)
+    released = []
+    for pk, token in list(orphans.values_list("pk", "lease_token")):
+        lease = Lease.objects.filter(job_id=pk, lease_token=token).first()
+        job = Job.objects.filter(pk=pk).first()
+        if lease is None or job is None:
+            continue
+        held = Claimed(
+            id=pk,
+            kind=job.kind,
+            lane=job.lane,
+            args=job.args,
+            attempt=job.attempts,
+            max_attempts=job.max_attempts,
+            lease_token=token,
+            lease_seconds=job.lease_seconds,
+            lease_expires_at=job.lease_expires_at or timezone.now(),
+            locks=tuple(job.locks or ()),
+            cancel_requested=job.cancel_requested,
+            lease_id=lease.pk,
+        )
+        settled, _ = sql.settle_and_claim(held, RELEASED.how, None, None)
+        if settled:
+            released.append(pk)
+            log.warning("orphan_released", job_id=pk, lease_token=token, worker_id=worker_id)
+    return released
 
 
 # --- operator actions ------------------------------------------------------------------
@@ -808,46 +859,86 @@ def requeue_dead(jobs: Sequence[Job], actor: str = "operator") -> list[int]:
     return requeued
 
 
+CANCEL_LOCK_WAIT = 3.0  # seconds: cancel_job answers within 5 s whatever holds the row
+
+
 def cancel(job_id: int, actor: str = "operator") -> Job:
     """Cancel a queued job at once, or ask a running one to stop at its next safe point.
 
     A running job learns of the request through ``ctx.cancel_requested``: at once on
     PostgreSQL (NOTIFY on ``holdfast_cancel``, delivered on commit), else at its worker's
     next lease renewal (at most every 5 s). The job ends ``cancelled`` only if the handler
-    honours it. A finished job cannot be cancelled (StateConflict).
+    honours it. A running job whose lease has expired (its worker died or froze) is
+    cancelled at once, as a reclaim would end that attempt. A finished job cannot be
+    cancelled (StateConflict). Lock waits are bounded, so this returns within seconds even
+    if a frozen worker holds the row: then it raises StateConflict, saying to try again.
     """
-    with transaction.atomic():
-        if Job.objects.filter(pk=job_id, state=State.QUEUED).update(
-            state=State.CANCELLED,
-            cancel_requested=True,
-            finished_at=Now(),
-            last_error=f"cancelled by {actor} before it ran",
-            updated_at=Now(),
-        ):
-            job = get_job(job_id)
-            _event(job_id, "cancelled", by=actor)
-            log.info("job_cancelled", job_id=job_id, kind=job.kind, lane=job.lane, by=actor)
-            return job
-        if Job.objects.filter(pk=job_id, state=State.RUNNING).update(
-            cancel_requested=True, updated_at=Now()
-        ):
-            job = get_job(job_id)
-            _event(job_id, "cancel_requested", job.lease_token, job.leased_by or "", by=actor)
-            if sql.is_postgres():
-                with connection.cursor() as cursor:
-                    cursor.execute("SELECT pg_notify(%s, %s)", [CANCEL_CHANNEL, str(job_id)])
-            log.info(
-                "job_cancel_requested",
-                job_id=job_id,
-                kind=job.kind,
-                lane=job.lane,
-                lease_token=job.lease_token,
-                worker_id=job.leased_by,
-                by=actor,
-            )
-            return job
-        job = get_job(job_id)  # raises JobNotFound for an unknown id
-        raise StateConflict(f"job {job_id} is {job.state}: it has finished, nothing to cancel")
+    try:
+        with sql.lock_waits_bounded(CANCEL_LOCK_WAIT):
+            return _cancel(job_id, actor)
+    except OperationalError as exc:
+        if not _is_lock_wait(exc):
+            raise
+        raise StateConflict(
+            f"job {job_id} is locked by an open transaction (its worker may be frozen; the "
+            f"server ends such sessions within one lease): nothing changed, try again"
+        ) from None
+
+
+def _is_lock_wait(exc: OperationalError) -> bool:
+    cause = exc.__cause__
+    if isinstance(cause, psycopg.errors.LockNotAvailable):
+        return True
+    return "database is locked" in str(exc)
+
+
+def _cancel(job_id: int, actor: str) -> Job:
+    if Job.objects.filter(pk=job_id, state=State.QUEUED).update(
+        state=State.CANCELLED,
+        cancel_requested=True,
+        finished_at=Now(),
+        last_error=f"cancelled by {actor} before it ran",
+        updated_at=Now(),
+    ):
+        job = get_job(job_id)
+        _event(job_id, "cancelled", by=actor)
+        log.info("job_cancelled", job_id=job_id, kind=job.kind, lane=job.lane, by=actor)
+        return job
+    # Its lease expired (worker died or frozen): end that attempt as a reclaim would, into
+    # `cancelled` (its `reclaimed` event says so), fencing out the old worker's writes.
+    expired = Job.objects.filter(pk=job_id, state=State.RUNNING, lease_expires_at__lt=Now())
+    for ended in sql.reclaim(1, job_id=job_id, cancel=True, actor=actor) if expired else ():
+        log.info(
+            "job_cancelled",
+            job_id=job_id,
+            kind=ended.kind,
+            lane=ended.lane,
+            lease_token=ended.lease_token,
+            worker_id=ended.worker_id,
+            by=actor,
+            lease_expired=True,
+        )
+        return get_job(job_id)
+    if Job.objects.filter(pk=job_id, state=State.RUNNING).update(
+        cancel_requested=True, updated_at=Now()
+    ):
+        job = get_job(job_id)
+        _event(job_id, "cancel_requested", job.lease_token, job.leased_by or "", by=actor)
+        if sql.is_postgres():
+            with connection.cursor() as cursor:
+                cursor.execute("SELECT pg_notify(%s, %s)", [CANCEL_CHANNEL, str(job_id)])
+        log.info(
+            "job_cancel_requested",
+            job_id=job_id,
+            kind=job.kind,
+            lane=job.lane,
+            lease_token=job.lease_token,
+            worker_id=job.leased_by,
+            by=actor,
+        )
+        return job
+    job = get_job(job_id)  # raises JobNotFound for an unknown id
+    raise StateConflict(f"job {job_id} is {job.state}: it has finished, nothing to cancel")
 
 
 def prune(older_than: timedelta, include_dead: bool = False, batch: int = 5000) -> int:
@@ -894,13 +985,17 @@ def default_worker_id() -> str:
     return f"{socket.gethostname()}:{os.getpid()}"
 
 
-def register_worker(worker_id: str, lanes: Sequence[str] | None) -> None:
+def register_worker(
+    worker_id: str, lanes: Sequence[str] | None, kinds: Sequence[str] | None = None
+) -> None:
+    """Record a starting worker: where it runs, the lanes and the job kinds it serves."""
     Worker.objects.update_or_create(
         pk=worker_id,
         defaults={
             "host": socket.gethostname(),
             "pid": os.getpid(),
             "lanes": list(lanes) if lanes is not None else [],
+            "kinds": sorted(kinds) if kinds is not None else None,
             "started_at": Now(),
             "heartbeat_at": Now(),
             "stopped_at": None,

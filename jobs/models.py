@@ -177,6 +177,9 @@ class Worker(models.Model):
     host = models.CharField(max_length=255)
     pid = models.PositiveIntegerField()
     lanes = models.JSONField(default=list, blank=True)
+    # The job kinds it has handlers for (all it claims); NULL: not recorded (an older
+    # worker, which claims every kind).
+    kinds = models.JSONField(null=True, blank=True)
     started_at = models.DateTimeField(db_default=Now())
     heartbeat_at = models.DateTimeField(db_default=Now())
     stopped_at = models.DateTimeField(null=True, blank=True)

@@ -18,7 +18,8 @@ Everything else in the engine is ORM.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -336,10 +337,14 @@ def is_postgres() -> bool:
 
 
 def claim(
-    worker_id: str, lanes: Sequence[str] | None, limits: Mapping[str, int] | None = None
+    worker_id: str,
+    lanes: Sequence[str] | None,
+    limits: Mapping[str, int] | None = None,
+    kinds: Sequence[str] | None = None,
 ) -> Claimed | None:
-    """Take the best runnable job in ``lanes`` (all lanes when None) under a new lease."""
-    return settle_and_claim(None, None, worker_id, lanes, limits)[1]
+    """Take the best runnable job in ``lanes`` (all lanes when None) of one of ``kinds``
+    (any kind when None) under a new lease."""
+    return settle_and_claim(None, None, worker_id, lanes, limits, kinds)[1]
 
 
 def settle_and_claim(
@@ -348,8 +353,12 @@ def settle_and_claim(
     worker_id: str | None,
     lanes: Sequence[str] | None,
     limits: Mapping[str, int] | None = None,
+    kinds: Sequence[str] | None = None,
 ) -> tuple[bool, Claimed | None]:
     """Settle ``job`` (if given) and claim the next one (if ``worker_id``), in one commit.
+
+    The claim takes only jobs of ``kinds`` (the kinds this worker has handlers for; None:
+    any), so a job of a kind no running worker knows stays queued and uncharged.
 
     ``limits`` maps the served lanes that have a ``max_running`` to it. Claiming from them
     is serialized per lane (a transaction-scoped advisory lock on PostgreSQL; SQLite
@@ -367,7 +376,7 @@ def settle_and_claim(
         params.update(_settle_params(job, how))
     for _ in range(MAX_LOCK_RACES):
         try:
-            return _settle_and_claim_limited(params, settle, worker_id, lanes, limits)
+            return _settle_and_claim_limited(params, settle, worker_id, lanes, limits, kinds)
         except IntegrityError:
             # Another claimer took one of the candidate's resource locks first (I8). The
             # failed statement committed nothing, settle included: run it again; the
@@ -377,7 +386,7 @@ def settle_and_claim(
     # Still losing (a storm of claimers on few resources): settle alone, claim next time.
     # The lost races are the next claim's, never a reason to fail the settled job.
     if settle:
-        return _settle_and_claim_limited(params, settle, None, lanes, limits)
+        return _settle_and_claim_limited(params, settle, None, lanes, limits, kinds)
     return False, None
 
 
@@ -387,25 +396,349 @@ def _settle_and_claim_limited(
     worker_id: str | None,
     lanes: Sequence[str] | None,
     limits: Mapping[str, int] | None,
+    kinds: Sequence[str] | None,
 ) -> tuple[bool, Claimed | None]:
     if not (worker_id is not None and limits):
-        return _settle_and_claim(params, settle, worker_id, lanes, excluded=())
+        return _settle_and_claim(params, settle, worker_id, lanes, excluded=(), kinds=kinds)
     with transaction.atomic():
         if is_postgres():
             with connection.cursor() as cursor:
                 for lane in sorted(limits):
                     cursor.execute(PG_LOCK_LANE, [lane])
-        return _settle_and_claim(params, settle, worker_id, lanes, excluded=_full(limits))
+        return _settle_and_claim(
+            params, settle, worker_id, lanes, excluded=_full(limits), kinds=kinds
+        )
 
 
-def heartbeat_settings() -> None:
-    """PostgreSQL, inside the heartbeat's transaction: no fsync wait (a lost heartbeat only
-    shortens a lease), and no long wait behind the handler's own fenced block, which holds
-    the job row (that block renews the lease itself)."""
+# The engine's own statements outside the handler's transaction (heartbeat, reclaim) bound
+# their waits and skip the fsync wait: a lost renewal only shortens a lease. ``SET LOCAL``
+# inside one multi-statement query applies to that query's implicit transaction alone, so
+# nothing leaks into the session (or, behind a pooler, into another client's).
+ENGINE_LOCK_TIMEOUT_MS = 1000
+HEARTBEAT_STATEMENT_TIMEOUT_MS = 5000
+RECLAIM_STATEMENT_TIMEOUT_MS = 60_000
+RECLAIM_BATCH = 10_000
+
+PG_HEARTBEAT_SETTINGS = f"""
+SET LOCAL synchronous_commit TO off;
+SET LOCAL lock_timeout TO '{ENGINE_LOCK_TIMEOUT_MS}ms';
+SET LOCAL statement_timeout TO '{HEARTBEAT_STATEMENT_TIMEOUT_MS}ms';
+"""
+
+PG_HEARTBEAT = """
+WITH renewed AS (
+    UPDATE jobs_job SET
+        lease_expires_at = statement_timestamp() + lease_seconds * interval '1 second',
+        heartbeat_at = statement_timestamp()
+    WHERE id = %(job_id)s AND state = 'running' AND lease_token = %(token)s
+    RETURNING id, lease_expires_at, cancel_requested
+), renewed_lease AS (
+    UPDATE jobs_lease SET expires_at = renewed.lease_expires_at
+    FROM renewed WHERE jobs_lease.id = %(lease_id)s
+)
+SELECT cancel_requested FROM renewed
+"""
+
+SQLITE_HEARTBEAT = f"""
+UPDATE jobs_job SET
+    lease_expires_at = strftime('%%Y-%%m-%%d %%H:%%M:%%f', 'now',
+                                printf('%%+.3f seconds', lease_seconds)),
+    heartbeat_at = {SQLITE_NOW}
+WHERE id = %(job_id)s AND state = 'running' AND lease_token = %(token)s
+RETURNING lease_expires_at, cancel_requested
+"""
+
+SQLITE_HEARTBEAT_LEASE = "UPDATE jobs_lease SET expires_at = %(expires)s WHERE id = %(lease_id)s"
+
+
+def heartbeat(job: Claimed) -> bool | None:
+    """Renew ``job``'s lease from the database clock, fenced by state and lease token.
+
+    Returns whether a cancel was requested, or None when the lease is lost. On
+    PostgreSQL, outside a transaction (the lease keeper; ``ctx.heartbeat()`` outside a
+    block) it is one query in its own implicit transaction, so it never holds the job row
+    across anything. Inside a caller's transaction it is the bare statement: it never
+    changes that transaction's settings.
+    """
+    params = {"job_id": job.id, "token": job.lease_token, "lease_id": job.lease_id}
     if is_postgres():
+        row = _last_row(_own_transaction(PG_HEARTBEAT_SETTINGS, PG_HEARTBEAT), params)
+        return None if row is None else bool(row[0])
+    with transaction.atomic(), connection.cursor() as cursor:
+        cursor.execute(SQLITE_HEARTBEAT, params)
+        row = cursor.fetchone()
+        if row is None:
+            return None
+        cursor.execute(SQLITE_HEARTBEAT_LEASE, {**params, "expires": row[0]})
+        return bool(row[1])
+
+
+def _own_transaction(settings: str, statement: str) -> str:
+    """``statement`` with its ``SET LOCAL`` settings when it runs in a transaction of its
+    own (autocommit); bare inside a caller's transaction, whose settings it must not
+    change."""
+    return statement if connection.in_atomic_block else settings + statement
+
+
+def _last_row(query: str, params: dict[str, Any]) -> Any:
+    """Run a multi-statement query (client-side binding); the last result's first row."""
+    with connection.cursor() as cursor:
+        cursor.execute(query, params)
+        row = None
+        while True:
+            if cursor.description is not None:
+                row = cursor.fetchone()
+            if not cursor.nextset():
+                return row
+
+
+# Reclaim, set-based: every expired lease (up to a batch) in one statement. Rows a live
+# transaction is writing are skipped, never waited on (SKIP LOCKED); the guard (still
+# running, same token, lease expired by the database clock) is re-checked on the locked
+# row, so a lease renewed meanwhile is never taken. Only the lock rows of the reclaimed
+# lease token are deleted, never those of a live lease. ``run_at`` is left alone: the job
+# keeps its place in the queue.
+PG_RECLAIM_SETTINGS = f"""
+SET LOCAL lock_timeout TO '{ENGINE_LOCK_TIMEOUT_MS}ms';
+SET LOCAL statement_timeout TO '{RECLAIM_STATEMENT_TIMEOUT_MS}ms';
+"""
+
+PG_RECLAIM = f"""
+WITH expired AS (
+    SELECT id, lease_token, leased_by, heartbeat_at, lease_expires_at
+    FROM jobs_job
+    WHERE state = 'running' AND lease_expires_at < statement_timestamp()
+      AND (%(job_id)s::bigint IS NULL OR id = %(job_id)s::bigint)
+    ORDER BY lease_expires_at
+    LIMIT %(limit)s
+    FOR UPDATE SKIP LOCKED
+), reclaimed AS (
+    UPDATE jobs_job AS job SET
+        state = CASE WHEN %(cancel)s THEN 'cancelled'
+                     WHEN job.attempts >= job.max_attempts THEN 'dead' ELSE 'queued' END,
+        last_error = CASE WHEN %(cancel)s THEN 'cancelled by ' || %(actor)s::text
+                          || ' after its worker stopped renewing lease ' || job.lease_token
+                          ELSE 'LeaseExpired: worker ' || COALESCE(expired.leased_by, '?')
+                          || ' stopped renewing lease ' || job.lease_token
+                          || ': it died or stopped responding during attempt ' || job.attempts
+                          END,
+        cancel_requested = job.cancel_requested OR %(cancel)s,
+        finished_at = CASE WHEN %(cancel)s OR job.attempts >= job.max_attempts
+                           THEN statement_timestamp() ELSE NULL END,
+        leased_by = NULL,
+        lease_expires_at = NULL,
+        updated_at = statement_timestamp()
+    FROM expired
+    WHERE job.id = expired.id AND job.state = 'running'
+      AND job.lease_token = expired.lease_token AND job.lease_expires_at < statement_timestamp()
+    RETURNING job.id, job.lease_token, job.state, job.kind, job.lane, job.attempts,
+              expired.leased_by, expired.heartbeat_at, expired.lease_expires_at
+), reclaimed_lease AS (
+    UPDATE jobs_lease SET
+        outcome = 'lease_expired', released_at = statement_timestamp(),
+        error_class = 'LeaseExpired',
+        error_message = 'worker ' || COALESCE(reclaimed.leased_by, '?')
+                        || ' stopped renewing lease ' || reclaimed.lease_token
+                        || ': it died or stopped responding during attempt ' || reclaimed.attempts
+    FROM reclaimed
+    WHERE jobs_lease.job_id = reclaimed.id AND jobs_lease.lease_token = reclaimed.lease_token
+), freed AS (
+    DELETE FROM jobs_joblock USING reclaimed
+    WHERE jobs_joblock.job_id = reclaimed.id AND jobs_joblock.lease_token = reclaimed.lease_token
+), took AS (
+    SELECT reclaimed.kind,
+           greatest(0, extract(epoch FROM statement_timestamp() - lease.acquired_at))::float8 AS s
+    FROM reclaimed JOIN jobs_lease AS lease
+         ON lease.job_id = reclaimed.id AND lease.lease_token = reclaimed.lease_token
+), counted AS (
+    INSERT INTO jobs_attemptcount (kind, outcome, bucket, shard, count, seconds)
+    SELECT kind, 'lease_expired', bucket, mod(pg_backend_pid(), {SHARDS}), count(*), sum(s)
+    FROM (SELECT kind, s, {_bucket("s")} AS bucket FROM took) AS bucketed
+    GROUP BY kind, bucket
+    ON CONFLICT (kind, outcome, bucket, shard) DO UPDATE SET
+        count = jobs_attemptcount.count + EXCLUDED.count,
+        seconds = jobs_attemptcount.seconds + EXCLUDED.seconds
+), logged AS (
+    INSERT INTO jobs_jobevent (job_id, at, event, lease_token, worker_id, data)
+    SELECT reclaimed.id, statement_timestamp(), e.event, reclaimed.lease_token,
+           COALESCE(reclaimed.leased_by, ''),
+           CASE WHEN e.n = 1
+                THEN jsonb_build_object('last_heartbeat_at', reclaimed.heartbeat_at)
+                ELSE jsonb_build_object('expired_at', reclaimed.lease_expires_at,
+                                        'state', reclaimed.state) END
+    FROM reclaimed CROSS JOIN (VALUES (1, 'heartbeat_missed'), (2, 'reclaimed')) AS e(n, event)
+    ORDER BY reclaimed.id, e.n
+)
+SELECT id, lease_token, state, kind, lane, attempts, leased_by FROM reclaimed ORDER BY id
+"""
+
+SQLITE_EXPIRED = f"""
+SELECT id, lease_token, leased_by, heartbeat_at, lease_expires_at, attempts, max_attempts,
+       kind, lane, cancel_requested
+FROM jobs_job
+WHERE state = 'running' AND lease_expires_at < {SQLITE_NOW} {{job_filter}}
+ORDER BY lease_expires_at
+LIMIT %(limit)s
+"""
+
+# The rest of a SQLite reclaim, inside the same BEGIN IMMEDIATE: every expired row at once,
+# from one JSON parameter ([id, token, state, last_error, lease message, finished, kind]
+# rows); the attempt counters (metrics) get one upsert per kind and duration bucket.
+SQLITE_RECLAIM_JOBS = f"""
+UPDATE jobs_job SET
+    state = json_extract(r.value, '$[2]'),
+    last_error = json_extract(r.value, '$[3]'),
+    cancel_requested = cancel_requested OR %(cancel)s,
+    finished_at = CASE WHEN json_extract(r.value, '$[5]') THEN {SQLITE_NOW} ELSE NULL END,
+    leased_by = NULL,
+    lease_expires_at = NULL,
+    updated_at = {SQLITE_NOW}
+FROM json_each(%(rows)s) AS r
+WHERE jobs_job.id = json_extract(r.value, '$[0]') AND jobs_job.state = 'running'
+  AND jobs_job.lease_token = json_extract(r.value, '$[1]')
+"""
+
+SQLITE_RECLAIM_LEASES = f"""
+UPDATE jobs_lease SET
+    outcome = 'lease_expired', released_at = {SQLITE_NOW}, error_class = 'LeaseExpired',
+    error_message = json_extract(r.value, '$[4]')
+FROM json_each(%(rows)s) AS r
+WHERE jobs_lease.job_id = json_extract(r.value, '$[0]')
+  AND jobs_lease.lease_token = json_extract(r.value, '$[1]')
+"""
+
+SQLITE_RECLAIM_LOCKS = """
+DELETE FROM jobs_joblock
+WHERE (job_id, lease_token) IN (SELECT json_extract(value, '$[0]'), json_extract(value, '$[1]')
+                                FROM json_each(%(rows)s))
+"""
+
+SQLITE_RECLAIM_COUNTS = f"""
+INSERT INTO jobs_attemptcount (kind, outcome, bucket, shard, count, seconds)
+SELECT kind, 'lease_expired', bucket, 0, count(*), sum(s)
+FROM (SELECT kind, s, {_bucket("s")} AS bucket
+      FROM (SELECT json_extract(r.value, '$[6]') AS kind,
+                   max(0.0, (julianday('now') - julianday(lease.acquired_at)) * 86400.0) AS s
+            FROM json_each(%(rows)s) AS r JOIN jobs_lease AS lease
+                 ON lease.job_id = json_extract(r.value, '$[0]')
+                AND lease.lease_token = json_extract(r.value, '$[1]')))
+WHERE true
+GROUP BY kind, bucket
+ON CONFLICT (kind, outcome, bucket, shard) DO UPDATE SET
+    count = count + excluded.count, seconds = seconds + excluded.seconds
+"""
+
+SQLITE_RECLAIM_EVENTS = f"""
+INSERT INTO jobs_jobevent (job_id, at, event, lease_token, worker_id, data)
+SELECT json_extract(value, '$[0]'), {SQLITE_NOW}, json_extract(value, '$[1]'),
+       json_extract(value, '$[2]'), json_extract(value, '$[3]'), json_extract(value, '$[4]')
+FROM json_each(%(events)s) ORDER BY key
+"""
+
+
+@dataclass(frozen=True)
+class Reclaimed:
+    """A job whose expired lease a reclaim ended, and what became of it."""
+
+    id: int
+    lease_token: int
+    state: str  # queued | dead | cancelled
+    kind: str
+    lane: str
+    attempt: int
+    worker_id: str | None
+
+
+def reclaim(
+    limit: int = RECLAIM_BATCH,
+    job_id: int | None = None,
+    cancel: bool = False,
+    actor: str = "",
+) -> list[Reclaimed]:
+    """End expired leases (up to ``limit``, or only ``job_id``'s) in a bounded few
+    statements: the job back to ``queued`` (``dead`` when its attempts are spent, or
+    ``cancelled`` with ``cancel``), the attempt ``lease_expired``, its locks freed."""
+    if is_postgres():
+        params = {"limit": limit, "job_id": job_id, "cancel": cancel, "actor": actor}
+        rows = _all_rows(_own_transaction(PG_RECLAIM_SETTINGS, PG_RECLAIM), params)
+        return [Reclaimed(*row) for row in rows]
+    return _sqlite_reclaim(limit, job_id, cancel, actor)
+
+
+def _all_rows(query: str, params: dict[str, Any]) -> list[Any]:
+    with connection.cursor() as cursor:
+        cursor.execute(query, params)
+        rows: list[Any] = []
+        while True:
+            if cursor.description is not None:
+                rows = cursor.fetchall()
+            if not cursor.nextset():
+                return rows
+
+
+def _sqlite_reclaim(limit: int, job_id: int | None, cancel: bool, actor: str) -> list[Reclaimed]:
+    params: dict[str, Any] = {"limit": limit, "cancel": 1 if cancel else 0}
+    job_filter = ""
+    if job_id is not None:
+        params["job_id"] = job_id
+        job_filter = "AND id = %(job_id)s"
+    with transaction.atomic(), connection.cursor() as cursor:  # BEGIN IMMEDIATE
+        cursor.execute(SQLITE_EXPIRED.format(job_filter=job_filter), params)
+        expired = cursor.fetchall()
+        if not expired:
+            return []
+        rows, events, reclaimed = [], [], []
+        for pk, token, worker, beat, expiry, attempts, max_attempts, kind, lane, _ in expired:
+            account = (
+                f"worker {worker or '?'} stopped renewing lease {token}: "
+                f"it died or stopped responding during attempt {attempts}"
+            )
+            if cancel:
+                state, error = (
+                    "cancelled",
+                    (f"cancelled by {actor} after its worker stopped renewing lease {token}"),
+                )
+            else:
+                state = "dead" if attempts >= max_attempts else "queued"
+                error = f"LeaseExpired: {account}"
+            rows.append([pk, token, state, error, account, state != "queued", kind])
+            who = worker or ""
+            beat_data = json.dumps({"last_heartbeat_at": beat}, default=str)
+            end_data = json.dumps({"expired_at": expiry, "state": state}, default=str)
+            events.append([pk, "heartbeat_missed", token, who, beat_data])
+            events.append([pk, "reclaimed", token, who, end_data])
+            reclaimed.append(Reclaimed(pk, token, state, kind, lane, attempts, worker))
+        batch = {"rows": json.dumps(rows), "events": json.dumps(events), **params}
+        cursor.execute(SQLITE_RECLAIM_JOBS, batch)
+        cursor.execute(SQLITE_RECLAIM_LEASES, batch)
+        cursor.execute(SQLITE_RECLAIM_LOCKS, batch)
+        cursor.execute(SQLITE_RECLAIM_EVENTS, batch)
+        cursor.execute(SQLITE_RECLAIM_COUNTS, batch)
+    return reclaimed
+
+
+@contextmanager
+def lock_waits_bounded(seconds: float) -> Iterator[None]:
+    """A transaction whose lock waits (row locks; SQLite's database lock) end after
+    ``seconds``, raising OperationalError, so an operator action never hangs behind a
+    frozen holder. PostgreSQL: ``SET LOCAL`` in the transaction; SQLite: the busy timeout,
+    restored afterwards."""
+    if is_postgres():
+        with transaction.atomic():
+            with connection.cursor() as cursor:
+                cursor.execute(f"SET LOCAL lock_timeout = '{int(seconds * 1000)}ms'")
+            yield
+        return
+    with connection.cursor() as cursor:
+        cursor.execute("PRAGMA busy_timeout")
+        (previous,) = cursor.fetchone()
+        cursor.execute(f"PRAGMA busy_timeout = {int(seconds * 1000)}")
+    try:
+        with transaction.atomic():
+            yield
+    finally:
         with connection.cursor() as cursor:
-            cursor.execute("SET LOCAL synchronous_commit = off")
-            cursor.execute("SET LOCAL lock_timeout = '500ms'")
+            cursor.execute(f"PRAGMA busy_timeout = {int(previous)}")
 
 
 def limit_lock_waits(seconds: float) -> None:
@@ -434,11 +767,12 @@ def _settle_and_claim(
     worker_id: str | None,
     lanes: Sequence[str] | None,
     excluded: Sequence[str],
+    kinds: Sequence[str] | None = None,
 ) -> tuple[bool, Claimed | None]:
     lane_filter = ""
     if worker_id is not None:
         params["worker"] = worker_id
-        lane_filter = _lane_filter(lanes, excluded, params)
+        lane_filter = _lane_filter(lanes, excluded, params) + _kind_filter(kinds, params)
     run = _pg_settle_and_claim if is_postgres() else _sqlite_settle_and_claim
     return run(params, lane_filter, settle=settle, claim=worker_id is not None)
 
@@ -561,6 +895,21 @@ def _lane_filter(
         params.update(zip(keys, names, strict=True))
         clauses.append(f"AND lane {operator} ({', '.join(f'%({key})s' for key in keys)})")
     return " ".join(clauses)
+
+
+def _kind_filter(kinds: Sequence[str] | None, params: dict[str, Any]) -> str:
+    """The claim's kind condition: only kinds this worker can run (None: any kind).
+
+    One array (PostgreSQL) or JSON (SQLite) parameter whatever the number of kinds, so the
+    prepared claim keeps one text.
+    """
+    if kinds is None:
+        return ""
+    if is_postgres():
+        params["kinds"] = list(kinds)
+        return " AND kind = ANY(%(kinds)s::text[])"
+    params["kinds"] = json.dumps(list(kinds))
+    return " AND kind IN (SELECT value FROM json_each(%(kinds)s))"
 
 
 def _settle_params(job: Claimed, how: Settlement) -> dict[str, Any]:

@@ -72,12 +72,18 @@ def queue_status() -> dict[str, Any]:
         for job in Job.objects.filter(state=State.RUNNING).order_by("lease_expires_at")[:200]
     ]
     stale_after = max(STALE_WORKER_FLOOR_SECONDS, float(settings.HOLDFAST_LEASE_SECONDS))
+    live = [
+        worker
+        for worker in Worker.objects.filter(stopped_at__isnull=True)
+        if (now - worker.heartbeat_at).total_seconds() <= stale_after
+    ]
     workers = [
         {
             "id": worker.pk,
             "host": worker.host,
             "pid": worker.pid,
             "lanes": worker.lanes or None,  # None: every lane
+            "kinds": worker.kinds,  # None: not recorded (an older worker)
             "current_job": worker.current_job,
             "heartbeat_at": timestamp(worker.heartbeat_at),
             "stale": (now - worker.heartbeat_at).total_seconds() > stale_after,
@@ -94,8 +100,39 @@ def queue_status() -> dict[str, Any]:
         "schedules_overdue": scheduler.overdue(now),
         "delayed": Job.objects.filter(Q(state=State.QUEUED) & Q(run_at__gt=now)).count(),
         "locks_held": engine.held_locks().count(),
+        "unserved_kinds": unserved_kinds(live),
         **{name: section.figures() for name, section in SECTIONS.items()},
     }
+
+
+def unserved_kinds(live_workers: list[Worker]) -> list[dict[str, Any]]:
+    """The kinds (per lane) with queued jobs that no live worker serves: no live worker
+    has a handler for the kind and serves the lane. Such jobs wait, uncharged, until one
+    starts (new code enqueued a kind before workers that know it were deployed)."""
+
+    def served(kind: str, lane: str) -> bool:
+        return any(
+            (not worker.lanes or lane in worker.lanes)
+            and (worker.kinds is None or kind in worker.kinds)
+            for worker in live_workers
+        )
+
+    queued = (
+        Job.objects.filter(state=State.QUEUED)
+        .values("kind", "lane")
+        .annotate(n=Count("id"), oldest=Min("created_at"))
+        .order_by("kind", "lane")
+    )
+    return [
+        {
+            "kind": row["kind"],
+            "lane": row["lane"],
+            "queued": row["n"],
+            "oldest_enqueued_at": timestamp(row["oldest"]),
+        }
+        for row in queued
+        if not served(row["kind"], row["lane"])
+    ]
 
 
 def render_sections(status: dict[str, Any]) -> list[str]:

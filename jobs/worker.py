@@ -1,10 +1,17 @@
 """The worker process: claim one job at a time (I7), run its handler, settle it.
 
-Two threads share the work. The main thread claims, runs the handler and settles. The
-*lease keeper* thread renews the current job's lease every third of its length (fenced:
-a lost lease is flagged on ``ctx``), refreshes the worker's own heartbeat, reclaims
-expired leases of other workers at least every ``HOLDFAST_RECLAIM_SECONDS``, and
-enforces the shutdown grace period. Each thread has its own database connection.
+Three threads share the work, each with its own database connection. The main thread
+claims (only kinds it has handlers for), runs the handler and settles. The *lease
+keeper* renews the current job's lease every third of its length (fenced: a lost lease
+is flagged on ``ctx``), refreshes the worker's own heartbeat, hears cancel requests and
+enforces the shutdown grace period. The *reclaimer* ends expired leases of other workers
+at least every ``HOLDFAST_RECLAIM_SECONDS``, on its own connection and timing, so a big
+reclaim never delays this worker's own renewals.
+
+A handler cannot kill its worker: anything it raises (``SystemExit`` and
+``KeyboardInterrupt`` included) is a failed attempt. If the lease keeper itself dies, the
+worker gives back what it holds (uncharged) and exits non-zero (``EXIT_KEEPER_DIED``) for
+its supervisor to restart it.
 
 A database outage never kills the worker: every database step is retried with backoff
 capped at 30 s, and a job whose settlement could not be written is settled when the
@@ -14,6 +21,7 @@ database returns (or, if its lease ran out meanwhile, left to the reclaimer).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import inspect
 import json
@@ -42,7 +50,12 @@ from . import lanes as lane_config
 from .context import JobContext
 from .exceptions import Cancelled, LeaseLost, PermanentError, UnknownKind
 from .log import bound_context, get_logger
-from .notify import PollWaker, cancel_listener_for_database, waker_for_database
+from .notify import (
+    CancelListener,
+    PollWaker,
+    cancel_listener_for_database,
+    waker_for_database,
+)
 from .registry import HandlerSpec, autodiscover, get_handler
 from .scheduler import SchedulerLoop
 from .sql import Claimed
@@ -53,10 +66,20 @@ T = TypeVar("T")
 DB_ERRORS = (OperationalError, InterfaceError)
 MAX_DB_BACKOFF = 30.0
 RELEASE_LOCK_WAIT = 2.0  # seconds the shutdown release may wait for the job row
+EXIT_KEEPER_DIED = 70  # EX_SOFTWARE: the lease keeper thread died; restart the worker
+KEEPER_DEATH_RELEASE_SECONDS = 10.0  # how long a dying keeper tries to give jobs back
 
 
 class GaveUp(Exception):
     """A database step was abandoned because the worker is stopping."""
+
+
+@dataclasses.dataclass
+class _KeeperState:
+    """What the lease keeper remembers between passes."""
+
+    last_job_beat: tuple[int, float] | None = None  # (lease id, monotonic time)
+    next_worker_beat: float = 0.0
 
 
 class WorkerProcess:
@@ -86,15 +109,19 @@ class WorkerProcess:
         self._waker: PollWaker = PollWaker()
         self._keeper_stop = threading.Event()
         self._current_lock = threading.Lock()
+        self.kinds: list[str] = []  # the kinds this worker has handlers for: all it claims
+        self._after_outage = False  # main thread: a database step failed since last check
 
     # --- lifecycle ---------------------------------------------------------------------
 
     def run(self) -> int:
         autodiscover()
+        self.kinds = engine.served_kinds()
         previous = self._install_signal_handlers()
         structlog.contextvars.bind_contextvars(worker_id=self.worker_id)
         self._waker = waker_for_database()
         keeper = threading.Thread(target=self._keep_leases, name="lease-keeper", daemon=True)
+        reclaimer = threading.Thread(target=self._reclaim_loop, name="reclaimer", daemon=True)
         # For small installs: the scheduler's loop in a thread of its own (own connection).
         schedules = threading.Thread(
             target=SchedulerLoop(self._keeper_stop).run, name="scheduler", daemon=True
@@ -104,17 +131,18 @@ class WorkerProcess:
             # nothing yet, so there is nothing to hand back.
             with contextlib.suppress(GaveUp):
                 self._with_db_retry(
-                    lambda: engine.register_worker(self.worker_id, self.lanes),
+                    lambda: engine.register_worker(self.worker_id, self.lanes, self.kinds),
                     give_up=lambda: self.stopping,
                 )
                 keeper.start()
+                reclaimer.start()
                 if self.with_scheduler:
                     schedules.start()
                 self._loop()
         finally:
             self._keeper_stop.set()
             self._waker.close()
-            for thread in (keeper, schedules):
+            for thread in (keeper, reclaimer, schedules):
                 if thread.is_alive():
                     thread.join(timeout=10)
             self._quietly(lambda: engine.worker_stopped(self.worker_id))
@@ -150,10 +178,12 @@ class WorkerProcess:
         if self.stopping:
             return None
         try:
-            return self._with_db_retry(
-                lambda: engine.claim(self.worker_id, self.lanes, self.limits),
-                give_up=lambda: self.stopping,
-            )
+
+            def step() -> Claimed | None:
+                self._release_orphans(keep=None)
+                return engine.claim(self.worker_id, self.lanes, self.limits, self.kinds)
+
+            return self._with_db_retry(step, give_up=lambda: self.stopping)
         except GaveUp:
             return None
 
@@ -179,7 +209,7 @@ class WorkerProcess:
 
     def _run(self, job: Claimed) -> Claimed | None:
         """Run ``job``, settle it, and return the next job claimed in that same commit."""
-        ctx = JobContext(job, self.worker_id)
+        ctx = JobContext(job, self.worker_id, own_connection=True)
         with self._current_lock:
             self.current = (job, ctx)
         bound = engine.job_log_context(job, self.worker_id)
@@ -215,7 +245,10 @@ class WorkerProcess:
             return None
         except Cancelled:
             return engine.CANCELLED
-        except Exception as exc:
+        except BaseException as exc:
+            # Everything, SystemExit, KeyboardInterrupt and GeneratorExit included: the
+            # worker's own shutdown never raises into the handler (SIGTERM and SIGINT set
+            # a flag), so whatever arrives here is the handler's, and a failed attempt.
             failure = engine.Failure(
                 error_class=_class_path(exc),
                 message=str(exc),
@@ -234,15 +267,18 @@ class WorkerProcess:
         """
 
         def write(verdict: engine.Verdict | None) -> Claimed | None:
-            return self._with_db_retry(
-                lambda: engine.settle_and_claim(
+            def step() -> Claimed | None:
+                self._release_orphans(keep=job.id)
+                return engine.settle_and_claim(
                     job,
                     verdict,
                     None if self.stopping else self.worker_id,
                     self.lanes,
                     self.limits,
+                    self.kinds,
                 )
-            )
+
+            return self._with_db_retry(step)
 
         try:
             return write(verdict)
@@ -260,43 +296,82 @@ class WorkerProcess:
     # --- the lease keeper thread -------------------------------------------------------
 
     def _keep_leases(self) -> None:
-        reclaim_every = float(settings.HOLDFAST_RECLAIM_SECONDS)
-        next_reclaim = time.monotonic()
-        next_worker_beat = time.monotonic()
-        last_job_beat: tuple[int, float] | None = None
         listener = cancel_listener_for_database()
+        state = _KeeperState()
         try:
             while not self._keeper_stop.is_set():
-                cancels = listener.poll(0.25) if listener else set()
-                if listener is None:
-                    self._keeper_stop.wait(0.25)
-                now = time.monotonic()
-                with self._current_lock:
-                    current = self.current
-                if current is not None:
-                    job, ctx = current
-                    if job.id in cancels and not ctx.cancel_requested:
-                        log.info("cancel_request_heard", job_id=job.id)
-                        ctx.mark_cancel_requested()
-                    interval = min(job.lease_seconds / 3, 5.0)
-                    if last_job_beat is None or last_job_beat[0] != job.lease_id:
-                        last_job_beat = (job.lease_id, now)
-                    elif now - last_job_beat[1] >= interval:
-                        last_job_beat = (job.lease_id, now)
-                        self._quietly(functools.partial(self._renew, ctx))
-                    self._enforce_grace(job)
-                if now >= next_worker_beat:
-                    next_worker_beat = now + 5
-                    job_id = current[0].id if current else None
-                    self._quietly(
-                        functools.partial(engine.worker_heartbeat, self.worker_id, job_id)
-                    )
-                if now >= next_reclaim:
-                    next_reclaim = now + reclaim_every
-                    self._quietly(engine.reclaim_expired)
+                self._keeper_tick(listener, state)
+        except BaseException as exc:
+            self._keeper_died(exc)
         finally:
             if listener is not None:
                 listener.close()
+            close_old_connections()
+            connection.close()
+
+    def _keeper_tick(self, listener: CancelListener | None, state: _KeeperState) -> None:
+        """One pass of the lease keeper: hear cancels, renew, heartbeat, enforce grace."""
+        cancels = listener.poll(0.25) if listener else set()
+        if listener is None:
+            self._keeper_stop.wait(0.25)
+        now = time.monotonic()
+        with self._current_lock:
+            current = self.current
+        if current is not None:
+            job, ctx = current
+            if job.id in cancels and not ctx.cancel_requested:
+                log.info("cancel_request_heard", job_id=job.id)
+                ctx.mark_cancel_requested()
+            interval = min(job.lease_seconds / 3, 5.0)
+            if state.last_job_beat is None or state.last_job_beat[0] != job.lease_id:
+                state.last_job_beat = (job.lease_id, now)
+            elif now - state.last_job_beat[1] >= interval:
+                state.last_job_beat = (job.lease_id, now)
+                self._quietly(functools.partial(self._renew, ctx))
+            self._enforce_grace(job)
+        if now >= state.next_worker_beat:
+            state.next_worker_beat = now + 5
+            job_id = current[0].id if current else None
+            self._quietly(functools.partial(engine.worker_heartbeat, self.worker_id, job_id))
+
+    def _keeper_died(self, exc: BaseException) -> None:
+        """The lease keeper failed: nothing renews leases any more. Stop taking work, give
+        back (uncharged) whatever this worker holds, and exit non-zero at once, so that a
+        supervisor restarts a healthy worker instead of this one holding jobs that expire
+        under it."""
+        log.critical(
+            "lease_keeper_died",
+            error_class=_class_path(exc),
+            error=_one_line(exc),
+            traceback="".join(traceback.format_exception(exc)),
+        )
+        if self.stop_requested_at is None:
+            self.stop_requested_at = time.monotonic()
+        deadline = time.monotonic() + KEEPER_DEATH_RELEASE_SECONDS
+        while time.monotonic() < deadline:
+            try:
+                connection.close()
+                released = engine.release_orphans(self.worker_id)
+                log.warning("jobs_released_by_dying_keeper", job_ids=released)
+                break
+            except Exception as error:
+                log.error("release_failed", error=_one_line(error))
+                time.sleep(0.5)
+        self._quietly(lambda: engine.worker_stopped(self.worker_id))
+        sys.stderr.flush()
+        os._exit(EXIT_KEEPER_DIED)
+
+    def _reclaim_loop(self) -> None:
+        """End other workers' expired leases, every ``HOLDFAST_RECLAIM_SECONDS`` (at once
+        again while a pass fills its batch), on this thread's own connection."""
+        every = float(settings.HOLDFAST_RECLAIM_SECONDS)
+        try:
+            while not self._keeper_stop.is_set():
+                reclaimed: list[int] = []
+                self._quietly(lambda: reclaimed.extend(engine.reclaim_expired()))  # noqa: B023
+                if len(reclaimed) < sql.RECLAIM_BATCH:
+                    self._keeper_stop.wait(every)
+        finally:
             close_old_connections()
             connection.close()
 
@@ -349,12 +424,21 @@ class WorkerProcess:
             except DB_ERRORS as exc:
                 log.error("database_unavailable", error=_one_line(exc), retry_in=delay)
                 connection.close()
+                self._after_outage = True
                 deadline = time.monotonic() + delay
                 while time.monotonic() < deadline:
                     if give_up is not None and give_up():
                         raise GaveUp() from exc
                     time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
                 delay = min(delay * 2, MAX_DB_BACKOFF)
+
+    def _release_orphans(self, keep: int | None) -> None:
+        """After an outage, before the next claim: give back (uncharged) any job leased to
+        this worker that it is not running (``keep``), e.g. a claim whose commit landed
+        but whose acknowledgement was lost with the connection."""
+        if self._after_outage:
+            engine.release_orphans(self.worker_id, keep)
+            self._after_outage = False
 
     def _quietly(self, step: Callable[[], Any]) -> None:
         """Run a background step; log its failure instead of letting it end the thread."""

@@ -325,9 +325,21 @@ class WorkerFigures(serializers.Serializer):
     lanes = serializers.ListField(
         child=serializers.CharField(), allow_null=True, help_text="the lanes it serves; null: all"
     )
+    kinds = serializers.ListField(
+        child=serializers.CharField(),
+        allow_null=True,
+        help_text="the job kinds it has handlers for (all it claims); null: not recorded",
+    )
     current_job = serializers.IntegerField(allow_null=True)
     heartbeat_at = serializers.DateTimeField()
     stale = serializers.BooleanField()
+
+
+class UnservedKind(serializers.Serializer):
+    kind = serializers.CharField()
+    lane = serializers.CharField()
+    queued = serializers.IntegerField()
+    oldest_enqueued_at = serializers.DateTimeField()
 
 
 class SpoolBacklog(serializers.Serializer):
@@ -353,6 +365,10 @@ class QueueResponse(serializers.Serializer):
     schedules_overdue = serializers.ListField(child=serializers.JSONField())
     delayed = serializers.IntegerField(help_text="queued jobs whose run_at is in the future")
     locks_held = serializers.IntegerField(help_text="resource locks held by running jobs")
+    unserved_kinds = UnservedKind(
+        many=True,
+        help_text="kinds with queued jobs that no live worker serves (they wait, uncharged)",
+    )
     spool = SpoolBacklog(help_text="the spool's backlog (docs/ingestion.md)")
 
 

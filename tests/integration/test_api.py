@@ -824,6 +824,8 @@ def test_queue_gives_the_queue_status_figures(client, api_tokens):
     assert data["lanes"]["default"]["oldest_queued_age_s"] >= 0
     now = datetime.fromisoformat(data["now"])
     assert abs((now - timezone.now()).total_seconds()) < 60
+    # No worker serves test.echo yet: the API names the kind, as queue_status does.
+    assert [(u["kind"], u["queued"]) for u in data["unserved_kinds"]] == [("test.echo", 1)]
 
 
 # --- health's reasons --------------------------------------------------------------------

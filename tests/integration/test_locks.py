@@ -202,10 +202,10 @@ def test_endless_lost_lock_races_never_fail_the_job_being_settled(monkeypatch):
     claimed = claim_one()
     real = sql._settle_and_claim_limited
 
-    def always_racing(params, settle, worker_id, lanes, limits):
+    def always_racing(params, settle, worker_id, lanes, limits, kinds):
         if worker_id is not None:
             raise IntegrityError("duplicate key value violates unique constraint")
-        return real(params, settle, worker_id, lanes, limits)
+        return real(params, settle, worker_id, lanes, limits, kinds)
 
     monkeypatch.setattr(sql, "_settle_and_claim_limited", always_racing)
     assert engine.settle_and_claim(claimed, engine.succeeded(), "w1", None) is None

@@ -5,12 +5,13 @@ import time
 from datetime import timedelta
 
 import pytest
-from django.db import connection
+from django.db import connection, transaction
 from django.utils import timezone
 
 from jobs import LeaseLost, engine
 from jobs.context import JobContext
 from jobs.models import Job, Lease, Outcome, State
+from tests.testapp.models import Effect
 
 from .helpers import claim_one, expire_lease, failure
 
@@ -183,31 +184,74 @@ def test_requeue_dead_gives_a_fresh_budget_and_keeps_history():
 
 @pytest.mark.postgres
 @pytest.mark.django_db(transaction=True)
-def test_reclaim_does_not_wait_behind_a_live_fenced_block():
-    """A handler inside ctx.atomic() holds its job row; other workers' reclaim skips it
-    instead of queueing behind it (which would stall their own heartbeats and ticks)."""
+def test_an_open_fenced_block_holds_no_lock_and_a_stale_one_rolls_back():
+    """While a handler is inside ctx.atomic() its job row is not locked: reclaim (and
+    cancel, heartbeats) never wait behind it, even a frozen one. The block checks the
+    lease at its end, in its own transaction: reclaimed meanwhile, it rolls back (I2)."""
     engine.enqueue("test.echo")
     claimed = claim_one()
     expire_lease(claimed.id)  # committed: to a reclaimer the lease looks expired
-    inside, release = threading.Event(), threading.Event()
+    inside, release, outcome = threading.Event(), threading.Event(), {}
 
-    def hold_the_row() -> None:
+    def block() -> None:
         try:
-            with JobContext(claimed, "w1").atomic():  # renews the lease, uncommitted
+            with JobContext(claimed, "w1").atomic():
+                Effect.objects.create(job_id=claimed.id, attempt=1, lease_token=1, label="x")
                 inside.set()
                 release.wait(10)
+        except LeaseLost as exc:
+            outcome["error"] = exc
         finally:
             connection.close()
 
-    holder = threading.Thread(target=hold_the_row)
+    holder = threading.Thread(target=block)
     holder.start()
     try:
         assert inside.wait(5)
         started = time.monotonic()
-        assert engine.reclaim_expired() == []  # skipped, not waited on
+        assert engine.reclaim_expired() == [claimed.id]  # not blocked by the open block
+        assert engine.cancel(claimed.id).state == State.CANCELLED  # nor is a cancel
         assert time.monotonic() - started < 3
     finally:
         release.set()
         holder.join()
-    assert engine.reclaim_expired() == []  # the block renewed the lease when it committed
+    assert isinstance(outcome.get("error"), LeaseLost)
+    assert not Effect.objects.filter(job_id=claimed.id).exists()
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db(transaction=True)
+def test_the_end_of_block_fence_and_its_commit_serialize_with_reclaim():
+    """The fence is the block's last statement and locks the row until the commit right
+    after it: a reclaim meanwhile skips the row (never waits), and after the commit finds
+    the lease renewed; a fence that comes second finds the job reclaimed and rolls back."""
+    engine.enqueue("test.echo")
+    claimed = claim_one()
+    expire_lease(claimed.id)
+    fenced, commit = threading.Event(), threading.Event()
+
+    def fence_then_wait() -> None:
+        try:
+            with transaction.atomic():
+                engine.fence(claimed.id, claimed.lease_token, claimed.lease_seconds)
+                fenced.set()
+                commit.wait(10)
+        finally:
+            connection.close()
+
+    holder = threading.Thread(target=fence_then_wait)
+    holder.start()
+    try:
+        assert fenced.wait(5)
+        started = time.monotonic()
+        assert engine.reclaim_expired() == []  # skipped, not waited on
+        assert time.monotonic() - started < 3
+    finally:
+        commit.set()
+        holder.join()
+    assert engine.reclaim_expired() == []  # the fence renewed the lease when it committed
     assert Job.objects.get().state == State.RUNNING
+    expire_lease(claimed.id)
+    assert engine.reclaim_expired() == [claimed.id]
+    with pytest.raises(LeaseLost), transaction.atomic():
+        engine.fence(claimed.id, claimed.lease_token, claimed.lease_seconds)

@@ -4,14 +4,15 @@ import threading
 
 import pytest
 from django.db import connection
+from django.db.models.functions import Now
 from structlog.testing import capture_logs
 
 from jobs import context, engine
 from jobs.context import JobContext
-from jobs.models import Job, Lease, Outcome, State
+from jobs.models import Job, Lease, Outcome, State, Worker
 from tests.testapp.models import Effect
 
-from .helpers import claim_one, expire_lease
+from .helpers import claim_one, expire_lease, run_json
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -46,13 +47,28 @@ def test_args_that_do_not_fit_the_handler_are_a_permanent_error(run_worker):
     assert "args do not match handler" in job.last_error
 
 
-def test_a_kind_without_handler_goes_dead_with_a_clear_error(run_worker):
+def test_a_kind_without_handler_waits_uncharged_for_a_worker_that_knows_it(run_worker):
+    """New code enqueued a kind this worker has no handler for: it is not claimed (not
+    charged, not killed); queue_status names it; a worker that knows the kind runs it."""
     job = engine.enqueue("test.echo")
+    other = engine.enqueue("test.echo")
     Job.objects.filter(pk=job.pk).update(kind="vanished.kind")
-    run_worker()
+    assert run_worker(worker_id="old-code") == 1  # only the job it knows
     job = Job.objects.get(pk=job.pk)
-    assert job.state == State.DEAD
-    assert "no handler is registered for job kind 'vanished.kind'" in job.last_error
+    assert (job.state, job.attempts, job.lease_token) == (State.QUEUED, 0, 0)
+    assert Job.objects.get(pk=other.pk).state == State.SUCCEEDED
+    assert engine.claim("w", kinds=["test.echo"]) is None
+    # A (stopped) worker that knew it does not count: only live workers serve.
+    Worker.objects.create(id="gone", host="h", pid=1, kinds=["vanished.kind"], stopped_at=Now())
+    Worker.objects.create(id="live", host="h", pid=2, kinds=["test.echo"])
+    unserved = run_json("queue_status")["unserved_kinds"]
+    assert [(u["kind"], u["lane"], u["queued"]) for u in unserved] == [
+        ("vanished.kind", "default", 1)
+    ]
+    Worker.objects.create(id="new-code", host="h", pid=3, kinds=["test.echo", "vanished.kind"])
+    assert run_json("queue_status")["unserved_kinds"] == []
+    claimed = engine.claim("new-code", kinds=["vanished.kind"])
+    assert claimed is not None and (claimed.id, claimed.attempt) == (job.pk, 1)
 
 
 def test_effects_in_atomic_complete_land_exactly_once(run_worker):

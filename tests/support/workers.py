@@ -287,6 +287,18 @@ class WorkerPool:
         self.procs.append(proc)
         return proc
 
+    def spawn_python(
+        self, name: str, code: str, *, env: Mapping[str, str] | None = None
+    ) -> WorkerProc:
+        """Start ``code`` in the background in a fresh interpreter with Django set up: e.g.
+        a worker with a fault injected (``call_command("runworker", ...)`` at its end)."""
+        prelude = "import django\ndjango.setup()\n"
+        proc = WorkerProc(
+            name, [sys.executable, "-c", prelude + code], self._env(env), self.log_dir
+        )
+        self.procs.append(proc)
+        return proc
+
     def command(
         self, *args: str, env: Mapping[str, str] | None = None, timeout: float = 30.0
     ) -> CommandResult:

@@ -202,3 +202,58 @@ def cancel_point(
         if honour and ctx.cancel_requested:
             raise ctx.Cancelled()
     return "finished"
+
+
+@handler("test.freezable", backoff=0, max_attempts=5, lease_seconds=3, locks=_resources)
+def freezable(
+    ctx: JobContext,
+    *,
+    document_id: int,
+    resources: list[str],
+    marker: str = "",
+    pause_before: float = 0.0,
+    pause_in_block: float = 0.0,
+) -> str:
+    """A fenced block that locks a domain row (a Document) and records an effect, then
+    completes with another effect. Its first attempt can pause before the block (freeze
+    the worker in a heartbeat there) or inside it (freeze it inside ``ctx.atomic()``);
+    later attempts run straight through. It ignores cancel requests."""
+    first = ctx.attempt == 1
+    if marker and first:
+        with open(marker, "w") as handle:
+            handle.write(str(os.getpid()))
+    if first:
+        time.sleep(pause_before)
+    with ctx.atomic():
+        Document.objects.filter(pk=document_id).update(refreshed=F("refreshed") + 1)
+        _effect(ctx, "progress")
+        if first and pause_in_block:
+            with open(f"{marker}.in-block", "w") as handle:
+                handle.write(str(os.getpid()))
+            time.sleep(pause_in_block)
+    with ctx.atomic(complete=True, result="done"):
+        _effect(ctx, "complete")
+    return "done"
+
+
+@handler("test.raise_base", backoff=0, max_attempts=2)
+def raise_base(ctx: JobContext, *, which: str) -> None:
+    """Raises a BaseException that is not an Exception, as careless handler code does."""
+    if which == "SystemExit":
+        raise SystemExit(f"sys.exit() in attempt {ctx.attempt}")
+    if which == "KeyboardInterrupt":
+        raise KeyboardInterrupt(f"interrupted in attempt {ctx.attempt}")
+    raise GeneratorExit(f"generator closed in attempt {ctx.attempt}")
+
+
+@handler("test.hard_exit", backoff=0, max_attempts=2, lease_seconds=1)
+def hard_exit(ctx: JobContext) -> None:
+    """Kills its own worker process, as a segfault or the OOM killer would."""
+    os._exit(1)
+
+
+if os.environ.get("HOLDFAST_TEST_LATE_KIND"):
+    # A kind only some worker processes know: "new code" deployed to them alone.
+    @handler("test.late_kind", backoff=0)
+    def late_kind(ctx: JobContext) -> str:
+        return f"run by {ctx.worker_id}"

@@ -37,5 +37,10 @@ class Command(JobsCommand):
         for worker in status["workers"]:
             flag = "  STALE (no heartbeat)" if worker["stale"] else ""
             write(f"  {worker['id']} heartbeat {worker['heartbeat_at']}{flag}")
+        for unserved in status["unserved_kinds"]:
+            write(
+                f"  UNSERVED: {unserved['queued']} queued {unserved['kind']} in lane "
+                f"{unserved['lane']}: no live worker has a handler for it"
+            )
         for line in render_sections(status):
             write(line)

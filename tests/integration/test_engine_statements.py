@@ -1,0 +1,136 @@
+"""The engine's own statements never change the handler's transaction, and a worker
+back from an outage gives back claims it never heard of."""
+
+from __future__ import annotations
+
+import threading
+import time
+from datetime import timedelta
+
+import pytest
+from django.db import OperationalError, connection, transaction
+from django.utils import timezone
+
+from jobs import LeaseLost, StateConflict, engine
+from jobs.context import JobContext
+from jobs.models import Job, Lease, Outcome, State
+
+from .helpers import claim_one, expire_lease
+
+
+def settings_now() -> tuple[str, str, str]:
+    with connection.cursor() as cursor:
+        values = []
+        for name in ("synchronous_commit", "lock_timeout", "statement_timeout"):
+            cursor.execute(f"SHOW {name}")
+            values.append(cursor.fetchone()[0])
+    return tuple(values)  # type: ignore[return-value]
+
+
+@pytest.mark.postgres
+@pytest.mark.parametrize("own_connection", [False, True], ids=["bare", "own-connection"])
+@pytest.mark.django_db(transaction=True)
+def test_a_heartbeat_inside_ctx_atomic_leaves_the_transactions_settings_alone(own_connection):
+    engine.enqueue("test.echo")
+    claimed = claim_one()
+    ctx = JobContext(claimed, "w1", own_connection=own_connection)
+    before = settings_now()
+    with ctx.atomic():
+        inside = settings_now()
+        ctx.heartbeat()
+        assert settings_now() == inside == before  # synchronous_commit, lock_timeout...
+    assert settings_now() == before
+    ctx.heartbeat()  # outside a transaction: its settings are its own statement's only
+    assert settings_now() == before
+    assert Job.objects.get().heartbeat_at is not None
+
+
+@pytest.mark.django_db(transaction=True)
+def test_after_an_outage_a_worker_gives_back_a_claim_it_never_heard_of(run_worker, monkeypatch):
+    """The claim committed but its acknowledgement was lost with the connection: the job
+    is leased to this worker, which never ran it. Reconnected, the worker releases it
+    (uncharged) before claiming again, then runs it as attempt 1."""
+    job = engine.enqueue("test.echo")
+    real_claim = engine.claim
+    lost: list[object] = []
+
+    def claim_losing_the_ack(*args, **kwargs):
+        if not lost:
+            lost.append(real_claim(*args, **kwargs))  # committed...
+            raise OperationalError("server closed the connection unexpectedly")  # ...no ack
+        return real_claim(*args, **kwargs)
+
+    monkeypatch.setattr(engine, "claim", claim_losing_the_ack)
+    assert run_worker(worker_id="w-lost") == 1
+    job = Job.objects.get(pk=job.pk)
+    assert (job.state, job.attempts, job.lease_token) == (State.SUCCEEDED, 1, 2)
+    outcomes = list(
+        Lease.objects.filter(job=job).order_by("lease_token").values_list("lease_token", "outcome")
+    )
+    assert outcomes == [(1, Outcome.RELEASED), (2, Outcome.SUCCEEDED)]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_cancel_answers_within_seconds_though_a_frozen_transaction_holds_the_job():
+    """A worker froze between its fence and its commit (PostgreSQL: it holds the job row;
+    SQLite: the database's write lock): cancel_job waits a bounded time, then says the
+    job is busy and changes nothing."""
+    engine.enqueue("test.echo")
+    claimed = claim_one()
+    holding, release = threading.Event(), threading.Event()
+
+    def frozen_fence() -> None:
+        try:
+            with transaction.atomic():
+                engine.fence(claimed.id, claimed.lease_token, claimed.lease_seconds)
+                holding.set()
+                release.wait(20)
+        finally:
+            connection.close()
+
+    holder = threading.Thread(target=frozen_fence)
+    holder.start()
+    try:
+        assert holding.wait(5)
+        started = time.monotonic()
+        with pytest.raises(StateConflict, match="locked by an open transaction"):
+            engine.cancel(claimed.id)
+        assert time.monotonic() - started < 5
+    finally:
+        release.set()
+        holder.join()
+    job = Job.objects.get(pk=claimed.id)
+    assert (job.state, job.cancel_requested) == (State.RUNNING, False)
+    assert engine.cancel(claimed.id).cancel_requested  # once the holder is gone
+
+
+@pytest.mark.django_db
+def test_cancel_of_a_running_job_whose_lease_expired_ends_it_at_once():
+    """Its worker died or froze: the cancel ends that attempt as a reclaim would."""
+    engine.enqueue("test.locked", {"resources": ["r"]})
+    claimed = claim_one()
+    expire_lease(claimed.id)
+    job = engine.cancel(claimed.id, actor="tester")
+    assert (job.state, job.cancel_requested) == (State.CANCELLED, True)
+    assert job.last_error == "cancelled by tester after its worker stopped renewing lease 1"
+    assert Lease.objects.get(job=job).outcome == Outcome.LEASE_EXPIRED
+    assert not engine.held_locks().exists()
+    assert [e.event for e in engine.events(job.pk)][-2:] == ["heartbeat_missed", "reclaimed"]
+    with pytest.raises(LeaseLost):
+        engine.complete(claimed)
+
+
+@pytest.mark.django_db
+def test_a_restarted_worker_leaves_its_previous_incarnations_job_to_reclaim():
+    """Same worker id (a systemd unit restarted after its process died): the job the dead
+    process held is not this process's claim, so it is not given back uncharged; its
+    lease expires and reclaim charges it (a job that kills its worker still goes dead)."""
+    engine.enqueue("test.echo")
+    earlier = claim_one("host-1")
+    Job.objects.filter(pk=earlier.id).update(started_at=timezone.now() - timedelta(minutes=1))
+    engine.register_worker("host-1", None, ["test.echo"])  # the restarted process
+    assert engine.release_orphans("host-1") == []
+    assert Job.objects.get(pk=earlier.id).state == State.RUNNING
+    engine.enqueue("test.echo")
+    mine = claim_one("host-1")
+    assert engine.release_orphans("host-1", keep=None) == [mine.id]
