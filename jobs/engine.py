@@ -18,7 +18,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from django.conf import settings
-from django.db import IntegrityError, connection, transaction
+from django.db import DatabaseError, IntegrityError, connection, transaction
 from django.db.models import F, Q, QuerySet, Subquery
 from django.db.models.base import ModelState
 from django.db.models.functions import Now
@@ -498,6 +498,39 @@ def failed(job: Claimed, failure: Failure, backoff_seconds: float) -> Verdict:
     if dead:
         return Verdict(how, "job_dead", {"error": how.last_error})
     return Verdict(how, "job_retry_scheduled", {"error": how.last_error, "retry_in": how.delay})
+
+
+def interrupted(job: Claimed, failure: Failure, delay: float) -> Verdict:
+    """The attempt met a database fault (a restart, a failover, a lost prepared statement;
+    ``sql.fault``): no failure of the job. It goes back to the queue uncharged, its
+    attempt recorded as ``released`` with the error, to run again after ``delay``.
+
+    Unless the job already had ``max_attempts`` such attempts: a job that itself brings the
+    database down must still end, so from then on the fault is charged like any error.
+    """
+    try:
+        earlier = (
+            Lease.objects.filter(job_id=job.id, outcome=Outcome.RELEASED)
+            .exclude(error_class="")
+            .count()
+        )
+    except DatabaseError:
+        earlier = 0  # the database is still away: the settle will wait for it
+    if earlier >= job.max_attempts:
+        return failed(job, failure, delay)
+    error_class, message = storable(failure.error_class), storable(failure.message)
+    how = Settlement(
+        state=State.QUEUED,
+        outcome=Outcome.RELEASED,
+        delay=max(0.0, delay),
+        uncharge=True,
+        error_class=error_class,
+        error_message=message[:MAX_ERROR_MESSAGE],
+        traceback=storable(failure.traceback)[-MAX_TRACEBACK:],
+        context=storable(failure.context),
+    )
+    error = f"{error_class}: {message}"
+    return Verdict(how, "job_released", {"reason": "database", "error": error})
 
 
 def storable(value: Any) -> Any:

@@ -8,7 +8,10 @@ enforces the shutdown grace period. Each thread has its own database connection.
 
 A database outage never kills the worker: every database step is retried with backoff
 capped at 30 s, and a job whose settlement could not be written is settled when the
-database returns (or, if its lease ran out meanwhile, left to the reclaimer).
+database returns (or, if its lease ran out meanwhile, left to the reclaimer). A database
+fault is never the job's failure: a handler that met one (a restart, a failover, a
+prepared statement a migration invalidated; ``sql.fault``) gives its job back uncharged,
+and a claim the database refuses is retried with backoff, never fatal.
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ log = get_logger("jobs.worker")
 T = TypeVar("T")
 DB_ERRORS = (OperationalError, InterfaceError)
 MAX_DB_BACKOFF = 30.0
+INTERRUPTED_RETRY_SECONDS = 1.0  # a job given back after a database fault runs again then
 RELEASE_LOCK_WAIT = 2.0  # seconds the shutdown release may wait for the job row
 
 
@@ -153,6 +157,7 @@ class WorkerProcess:
             return self._with_db_retry(
                 lambda: engine.claim(self.worker_id, self.lanes, self.limits),
                 give_up=lambda: self.stopping,
+                refusals_too=True,  # a claim the database refuses is retried, not fatal
             )
         except GaveUp:
             return None
@@ -221,7 +226,15 @@ class WorkerProcess:
                 context=bound_context(),
                 permanent=isinstance(exc, PermanentError | UnknownKind),
             )
+            if isinstance(exc, DatabaseError) and sql.fault(exc) is not None:
+                return self._interrupted(job, failure)
             return engine.failed(job, failure, _backoff(job))
+
+    def _interrupted(self, job: Claimed, failure: engine.Failure) -> engine.Verdict:
+        """The handler met a database fault, not a failure of its job: give it back."""
+        log.warning("job_interrupted", error=f"{failure.error_class}: {failure.message}")
+        connection.close()  # a fresh session: reconnected, statements prepared anew
+        return engine.interrupted(job, failure, INTERRUPTED_RETRY_SECONDS)
 
     def _settle(self, job: Claimed, verdict: engine.Verdict | None) -> Claimed | None:
         """Write the verdict and claim the next job (unless stopping) in one commit.
@@ -323,14 +336,14 @@ class WorkerProcess:
         try:
             # The handler may hold the job row (a long ctx.atomic block): wait a little,
             # never forever; if the release cannot be written, the lease expires instead.
-            sql.limit_lock_waits(RELEASE_LOCK_WAIT)
-            engine.release(job)
+            with sql.lock_waits_limited(RELEASE_LOCK_WAIT):
+                engine.release(job)
         except LeaseLost:
             with self._current_lock:
                 moved_on = self.current is None or self.current[0] is not job
             if moved_on:
                 return  # settled meanwhile, maybe with the next job claimed: look again
-        except DB_ERRORS as exc:
+        except DatabaseError as exc:
             log.error("release_failed", job_id=job.id, error=_one_line(exc))
         self._quietly(lambda: engine.worker_stopped(self.worker_id))
         sys.stderr.flush()
@@ -338,14 +351,25 @@ class WorkerProcess:
 
     # --- database outages --------------------------------------------------------------
 
-    def _with_db_retry(self, step: Callable[[], T], give_up: Callable[[], bool] | None = None) -> T:
-        """Run ``step``; while the database is unreachable, log and retry with backoff."""
+    def _with_db_retry(
+        self,
+        step: Callable[[], T],
+        give_up: Callable[[], bool] | None = None,
+        refusals_too: bool = False,
+    ) -> T:
+        """Run ``step``; while the database is unreachable, log and retry with backoff.
+
+        With ``refusals_too`` every database error is retried so, not only outages.
+        """
         delay = 0.5
         while True:
             try:
                 return step()
-            except DB_ERRORS as exc:
-                log.error("database_unavailable", error=_one_line(exc), retry_in=delay)
+            except DatabaseError as exc:
+                if not (refusals_too or _retryable(exc)):
+                    raise
+                event = "database_unavailable" if _retryable(exc) else "database_refused"
+                log.error(event, error=_one_line(exc), retry_in=delay)
                 connection.close()
                 deadline = time.monotonic() + delay
                 while time.monotonic() < deadline:
@@ -358,11 +382,20 @@ class WorkerProcess:
         """Run a background step; log its failure instead of letting it end the thread."""
         try:
             step()
-        except DB_ERRORS as exc:
+        except DatabaseError as exc:
+            if not _retryable(exc):
+                log.exception("background_step_failed")
+                return
             log.warning("database_unavailable", error=_one_line(exc), during="background")
             connection.close()
         except Exception:
             log.exception("background_step_failed")
+
+
+def _retryable(exc: BaseException) -> bool:
+    """An engine step that met this is run again after a pause: an outage, a timeout, a
+    lost session or prepared statement."""
+    return isinstance(exc, DB_ERRORS) or sql.fault(exc) is not None
 
 
 @functools.cache
