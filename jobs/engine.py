@@ -36,7 +36,7 @@ from .exceptions import (
 )
 from .log import get_logger
 from .models import ACTIVE_STATES, Job, JobEvent, JobLock, Lease, Outcome, State, Worker
-from .registry import DEFAULT_MAX_ATTEMPTS, HandlerSpec, get_handler
+from .registry import DEFAULT_MAX_ATTEMPTS, TASK_KIND, HandlerSpec, get_handler
 from .sql import Claimed, Settlement
 
 log = get_logger("jobs.engine")
@@ -781,6 +781,12 @@ def get_job(job_id: int) -> Job:
         raise JobNotFound(f"no job with id {job_id}") from None
 
 
+def kind_filter(kind: str) -> Q:
+    """Jobs of ``kind``: a handler's kind, or the path of a Django task function (all tasks
+    are ``django.task`` jobs; ``args["task"]`` names the function)."""
+    return Q(kind=kind) | Q(kind=TASK_KIND, args__task=kind)
+
+
 def dead_jobs(
     ids: Sequence[int] = (),
     kind: str | None = None,
@@ -792,7 +798,7 @@ def dead_jobs(
     if ids:
         query &= Q(pk__in=ids)
     if kind:
-        query &= Q(kind=kind)
+        query &= kind_filter(kind)
     if lane:
         query &= Q(lane=lane)
     if since:
@@ -800,31 +806,81 @@ def dead_jobs(
     return Job.objects.filter(query).order_by("pk")
 
 
-def requeue_dead(jobs: Sequence[Job], actor: str = "operator") -> list[int]:
-    """Move dead jobs back to ``queued`` with a fresh attempt budget.
+@dataclass(frozen=True)
+class RequeueReport:
+    """What ``requeue_each`` did: the jobs requeued, and each one it could not requeue
+    with the reason (``{"id": …, "reason": …}``)."""
+
+    requeued: list[int]
+    conflicts: list[dict[str, Any]]
+
+
+def requeue_each(
+    jobs: Iterable[Job], actor: str = "operator", dry_run: bool = False
+) -> RequeueReport:
+    """Move dead jobs back to ``queued`` with a fresh attempt budget, each on its own.
 
     ``attempts`` keeps counting (each attempt's record stays numbered uniquely); the
-    budget grows by the handler's ``max_attempts`` from the attempts spent so far.
+    budget grows by the handler's ``max_attempts`` from the attempts spent so far. A job
+    that cannot be requeued (its unique key is held by a live job, or it is no longer
+    dead) is reported and the others are requeued all the same: each job's change is its
+    own savepoint. ``dry_run`` changes nothing and reports what would happen.
     """
+    jobs = list(jobs)
+    holders = {
+        key: (job.pk, job.state)
+        for key, job in _active_by_key([job.unique_key for job in jobs if job.unique_key]).items()
+    }
     requeued: list[int] = []
-    with transaction.atomic():
-        for job in jobs:
-            budget = _requeue_budget(job.kind)
-            matched = Job.objects.filter(pk=job.pk, state=State.DEAD).update(
-                state=State.QUEUED,
-                run_at=Now(),
-                max_attempts=F("attempts") + budget,
-                finished_at=None,
-                cancel_requested=False,
-                updated_at=Now(),
-            )
-            if matched == 1:
-                _event(job.pk, "requeued", by=actor)
-                requeued.append(job.pk)
-                log.info("job_requeued", job_id=job.pk, kind=job.kind, lane=job.lane, by=actor)
-        if requeued:
-            _notify_lanes({job.lane for job in jobs if job.pk in requeued})
-    return requeued
+    conflicts: list[dict[str, Any]] = []
+
+    def conflict(job: Job, reason: str) -> None:
+        conflicts.append({"id": job.pk, "reason": reason})  # the caller reports them
+
+    for job in jobs:
+        key = job.unique_key
+        if key and key in holders:
+            holder, state = holders[key]
+            conflict(job, f"job {job.pk}: its unique key {key!r} is held by job {holder} ({state})")
+            continue
+        if job.state != State.DEAD:
+            conflict(job, f"job {job.pk} is {job.state}, not dead: nothing to requeue")
+            continue
+        if not dry_run:
+            try:
+                with transaction.atomic():
+                    matched = Job.objects.filter(pk=job.pk, state=State.DEAD).update(
+                        state=State.QUEUED,
+                        run_at=Now(),
+                        max_attempts=F("attempts") + _requeue_budget(job.kind),
+                        finished_at=None,
+                        cancel_requested=False,
+                        updated_at=Now(),
+                    )
+                    if matched == 1:
+                        _event(job.pk, "requeued", by=actor)
+            except IntegrityError:  # a live job took the key since we looked
+                holder_job = _active_by_key([key]).get(key) if key else None
+                held_by = f"job {holder_job.pk} ({holder_job.state})" if holder_job else "a job"
+                conflict(job, f"job {job.pk}: its unique key {key!r} is held by {held_by}")
+                continue
+            if matched != 1:
+                now = Job.objects.filter(pk=job.pk).values_list("state", flat=True).first()
+                conflict(job, f"job {job.pk} is {now or 'gone'}, not dead: nothing to requeue")
+                continue
+            log.info("job_requeued", job_id=job.pk, kind=job.kind, lane=job.lane, by=actor)
+        requeued.append(job.pk)
+        if key:
+            holders[key] = (job.pk, State.QUEUED)  # a second dead job with that key conflicts
+    if requeued and not dry_run:
+        done = set(requeued)
+        _notify_lanes({job.lane for job in jobs if job.pk in done})
+    return RequeueReport(requeued, conflicts)
+
+
+def requeue_dead(jobs: Sequence[Job], actor: str = "operator") -> list[int]:
+    """``requeue_each``, returning only the ids requeued."""
+    return requeue_each(jobs, actor=actor).requeued
 
 
 def cancel(job_id: int, actor: str = "operator") -> Job:
@@ -900,9 +956,10 @@ def prune(older_than: timedelta, include_dead: bool = False, batch: int = 5000) 
 
 
 def requeue_one(job_id: int, actor: str = "operator") -> Job:
-    job = get_job(job_id)
-    if not requeue_dead([job], actor=actor):
-        raise StateConflict(f"job {job_id} is {job.state}, not dead: nothing to requeue")
+    """Requeue one dead job; StateConflict (saying why) if it cannot be."""
+    report = requeue_each([get_job(job_id)], actor=actor)
+    if report.conflicts:
+        raise StateConflict(report.conflicts[0]["reason"])
     return get_job(job_id)
 
 

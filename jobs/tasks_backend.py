@@ -36,13 +36,13 @@ from django.utils.module_loading import import_string
 
 from . import lanes as lane_config
 from .exceptions import Cancelled, InvalidJob, LaneFull, LaneRefused, PermanentError, UnknownKind
-from .registry import handler
+from .registry import TASK_KIND, handler
 
 if TYPE_CHECKING:
     from .context import JobContext
     from .models import Job, Lease
 
-KIND = "django.task"
+KIND = TASK_KIND
 
 # The backend's OPTIONS: defaults for every task it enqueues (a task's own @task(...)
 # options win).

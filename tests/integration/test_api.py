@@ -133,6 +133,7 @@ ENDPOINTS = [
     ("GET", "dead-jobs/", None),
     ("GET", "jobs/{dead}/", None),
     ("POST", "jobs/{dead}/requeue/", None),
+    ("POST", "dead-jobs/requeue/", {"all": True}),
     ("POST", "jobs/{queued}/cancel/", None),
     ("GET", "reconciliation-issues/", None),
     ("POST", "reconciliation-issues/{issue}/resolve/", {"comment": "re-sent by the lab"}),
@@ -760,6 +761,7 @@ def test_the_schema_is_public_json_openapi_3(client):
     assert set(document["paths"]) == {
         "/internal/v1/queue/",
         "/internal/v1/dead-jobs/",
+        "/internal/v1/dead-jobs/requeue/",
         "/internal/v1/jobs/{job_id}/",
         "/internal/v1/jobs/{job_id}/requeue/",
         "/internal/v1/jobs/{job_id}/cancel/",
