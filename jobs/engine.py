@@ -1007,6 +1007,22 @@ def worker_stopped(worker_id: str) -> None:
     log.info("worker_stopped", worker_id=worker_id)
 
 
+def prune_workers(retention_seconds: float | None = None, batch: int = 1000) -> int:
+    """Delete the rows of workers whose last heartbeat is older than the retention
+    (``HOLDFAST_WORKER_RETENTION_SECONDS``; stopped or gone alike), at most ``batch`` per
+    call: one bounded statement, run by every lease keeper's periodic pass."""
+    if retention_seconds is None:
+        retention_seconds = float(settings.HOLDFAST_WORKER_RETENTION_SECONDS)
+    cutoff = Now() - timedelta(seconds=retention_seconds)
+    expired = Worker.objects.filter(heartbeat_at__lt=cutoff).order_by("heartbeat_at")
+    deleted, _ = Worker.objects.filter(
+        pk__in=Subquery(expired.values("pk")[:batch]), heartbeat_at__lt=cutoff
+    ).delete()
+    if deleted:
+        log.info("workers_pruned", count=deleted, retention_s=retention_seconds)
+    return deleted
+
+
 def db_now() -> datetime:
     """The database clock: lease and age arithmetic never trusts a worker's clock."""
     if sql.is_postgres():

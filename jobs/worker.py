@@ -3,7 +3,8 @@
 Two threads share the work. The main thread claims, runs the handler and settles. The
 *lease keeper* thread renews the current job's lease every third of its length (fenced:
 a lost lease is flagged on ``ctx``), refreshes the worker's own heartbeat, reclaims
-expired leases of other workers at least every ``HOLDFAST_RECLAIM_SECONDS``, and
+expired leases of other workers at least every ``HOLDFAST_RECLAIM_SECONDS`` (and prunes
+the rows of workers gone longer than ``HOLDFAST_WORKER_RETENTION_SECONDS``), and
 enforces the shutdown grace period. Each thread has its own database connection.
 
 A database outage never kills the worker: every database step is retried with backoff
@@ -305,6 +306,7 @@ class WorkerProcess:
                 if now >= next_reclaim:
                     next_reclaim = now + reclaim_every
                     self._quietly(engine.reclaim_expired)
+                    self._quietly(engine.prune_workers)  # rows of long-gone workers
         finally:
             if listener is not None:
                 listener.close()

@@ -369,7 +369,12 @@ class WorkerFigures(serializers.Serializer):
     )
     current_job = serializers.IntegerField(allow_null=True)
     heartbeat_at = serializers.DateTimeField()
-    stale = serializers.BooleanField()
+    status = serializers.ChoiceField(
+        choices=["live", "gone"],
+        help_text="gone: no heartbeat for stale_after (the lease, at least 30 s); the row is "
+        "pruned after HOLDFAST_WORKER_RETENTION_SECONDS",
+    )
+    stale = serializers.BooleanField(help_text="status is not live (the older field)")
 
 
 class SpoolBacklog(serializers.Serializer):
@@ -400,7 +405,8 @@ class QueueResponse(serializers.Serializer):
 
 class HealthWorkers(serializers.Serializer):
     live = serializers.IntegerField()
-    stale = serializers.IntegerField()
+    gone = serializers.IntegerField(help_text="workers whose heartbeat stopped (not pruned yet)")
+    stale = serializers.IntegerField(help_text="= gone (the older field)")
     stale_after_s = serializers.FloatField()
 
 

@@ -12,7 +12,6 @@ import math
 import os
 import time
 from collections.abc import Callable
-from datetime import timedelta
 from typing import Any, ClassVar
 
 from django.conf import settings
@@ -34,7 +33,7 @@ from jobs.exceptions import InvalidJob
 from jobs.log import get_logger
 from jobs.models import Job, Worker
 from jobs.serialization import job_detail_dict, job_dict
-from jobs.status import STALE_WORKER_FLOOR_SECONDS, queue_status
+from jobs.status import queue_status, worker_liveness
 
 from . import schema
 from .authentication import BearerTokenAuthentication
@@ -398,14 +397,18 @@ class HealthView(OpsView):
 
 
 def worker_health() -> dict[str, Any]:
-    """Workers not stopped, split by whether their heartbeat is recent (as queue_status)."""
-    stale_after = max(STALE_WORKER_FLOOR_SECONDS, float(settings.HOLDFAST_LEASE_SECONDS))
-    cutoff = engine.db_now() - timedelta(seconds=stale_after)
+    """Workers not stopped, live or gone by their heartbeat (the rule of queue_status)."""
+    liveness = worker_liveness()
     counts = Worker.objects.filter(stopped_at__isnull=True).aggregate(
-        live=Count("pk", filter=Q(heartbeat_at__gte=cutoff)),
-        stale=Count("pk", filter=Q(heartbeat_at__lt=cutoff)),
+        live=Count("pk", filter=Q(heartbeat_at__gte=liveness.cutoff)),
+        gone=Count("pk", filter=Q(heartbeat_at__lt=liveness.cutoff)),
     )
-    return {"live": counts["live"], "stale": counts["stale"], "stale_after_s": stale_after}
+    return {
+        "live": counts["live"],
+        "gone": counts["gone"],
+        "stale": counts["gone"],  # the older name of gone
+        "stale_after_s": liveness.stale_after,
+    }
 
 
 def spool_health() -> dict[str, Any]:
