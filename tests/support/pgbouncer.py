@@ -90,7 +90,6 @@ class PgBouncer:
             "max_client_conn = 200\n"
             f"logfile = {self.log_file}\n"
             f"pidfile = {self.base_dir / 'pgbouncer.pid'}\n"
-            "ignore_startup_parameters = extra_float_digits\n"
         )
         argv = [self.binary, str(conf)]
         if os.geteuid() == 0:
