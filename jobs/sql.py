@@ -479,6 +479,8 @@ def _pg_prepared(query: str, params: dict[str, Any]) -> Any:
     prepare = prepared_statements()
     if prepare and raw.prepare_threshold is None:
         raw.prepare_threshold = 2**31 - 1  # only prepare=True statements get prepared
+    elif not prepare and raw.prepare_threshold is not None:
+        raw.prepare_threshold = None  # psycopg prepares nothing on this connection
     with connection.wrap_database_errors, psycopg.Cursor(raw) as cursor:
         cursor.execute(query, params, prepare=prepare)
         return cursor.fetchone()

@@ -110,9 +110,9 @@ def test_a_prepared_statement_a_migration_invalidated_is_prepared_again(
         assert (done.state, done.attempts) == (State.SUCCEEDED, 1)
 
 
-@pytest.mark.django_db
-def test_with_prepared_statements_off_nothing_is_prepared(settings) -> None:
+def test_with_prepared_statements_off_nothing_is_prepared(transactional_db, settings) -> None:
     settings.HOLDFAST_PREPARED_STATEMENTS = False
+    connection.close()  # a fresh session: nothing prepared by earlier tests
     engine.enqueue("test.echo", {"n": 1})
     engine.settle_and_claim(claim_one("w1"), engine.succeeded(), "w1", None)
     with connection.cursor() as cursor:
