@@ -116,13 +116,14 @@ def test_through_pgbouncer_with_a_direct_listen_connection(
     def describe() -> str:
         return f"{job_summary()}\n{workers.describe()}\n{bouncer.describe()}"
 
-    # enqueue through the pooler; an idle worker hears the NOTIFY on its direct LISTEN.
+    # Both workers LISTEN (new jobs, cancels) on their direct connections...
+    wait_until(lambda: listening_sessions() >= 4, 20, interval=0.1, message=describe)
+    # ... so a job enqueued through the pooler wakes an idle one at once (NOTIFY).
     enqueued = workers.command(
         "enqueue", "test.echo", "--args", '{"via": "cli"}', "--json", env=env
     )
     assert enqueued.returncode == 0, enqueued.describe()
     wait_for_job(enqueued.json()["id"], "succeeded", workers, timeout=10)
-    assert listening_sessions() >= 2, describe()
 
     workers.python(
         "from jobs.engine import enqueue_many\n"
