@@ -1010,14 +1010,19 @@ def worker_stopped(worker_id: str) -> None:
 def prune_workers(retention_seconds: float | None = None, batch: int = 1000) -> int:
     """Delete the rows of workers whose last heartbeat is older than the retention
     (``HOLDFAST_WORKER_RETENTION_SECONDS``; stopped or gone alike), at most ``batch`` per
-    call: one bounded statement, run by every lease keeper's periodic pass."""
+    call: a bounded read and, when it found rows, a bounded delete; run by every lease
+    keeper's periodic pass."""
     if retention_seconds is None:
         retention_seconds = float(settings.HOLDFAST_WORKER_RETENTION_SECONDS)
     cutoff = Now() - timedelta(seconds=retention_seconds)
-    expired = Worker.objects.filter(heartbeat_at__lt=cutoff).order_by("heartbeat_at")
-    deleted, _ = Worker.objects.filter(
-        pk__in=Subquery(expired.values("pk")[:batch]), heartbeat_at__lt=cutoff
-    ).delete()
+    expired = list(
+        Worker.objects.filter(heartbeat_at__lt=cutoff)
+        .order_by("heartbeat_at")
+        .values_list("pk", flat=True)[:batch]
+    )
+    if not expired:
+        return 0  # the usual pass: one read, no write (and no SQLite write lock)
+    deleted, _ = Worker.objects.filter(pk__in=expired, heartbeat_at__lt=cutoff).delete()
     if deleted:
         log.info("workers_pruned", count=deleted, retention_s=retention_seconds)
     return deleted
