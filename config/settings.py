@@ -62,6 +62,24 @@ def env_duration(name: str, default: str) -> timedelta | None:
         raise ImproperlyConfigured(f"{name}: {exc}, or off") from None
 
 
+def env_switch(name: str, default: bool) -> bool:
+    """An ``on``/``off`` setting (also true/false, yes/no, 1/0); anything else is refused."""
+    value = os.environ.get(name, "").strip().lower()
+    if not value:
+        return default
+    if value in {"1", "true", "yes", "on"}:
+        return True
+    if value in {"0", "false", "no", "off"}:
+        return False
+    raise ImproperlyConfigured(f"{name} must be 'on' or 'off', got {value!r}")
+
+
+# Server-side prepared statements for the engine's hot path. Off behind a pooler that
+# does not keep them per client (PgBouncer < 1.21 in transaction mode): then nothing
+# Holdfast or Django runs keeps any session state (docs/operations.md, "PgBouncer").
+HOLDFAST_PREPARED_STATEMENTS = env_switch("HOLDFAST_PREPARED_STATEMENTS", True)
+
+
 def local_secret_key() -> str:
     """Return the development key kept in ``var/secret_key``, creating it once (mode 0600).
 
@@ -178,6 +196,12 @@ def database_config(variable: str = "DATABASE_URL") -> dict[str, Any]:
             "keepalives_count": 3,
             **dict(config.get("OPTIONS") or {}),
         }
+        if not HOLDFAST_PREPARED_STATEMENTS:
+            # Behind a transaction-mode pooler: psycopg never prepares, and querysets'
+            # .iterator() uses no server-side (WITH HOLD) cursors, which outlive a
+            # transaction on the server connection.
+            config["OPTIONS"]["prepare_threshold"] = None
+            config["DISABLE_SERVER_SIDE_CURSORS"] = True
         test_url = os.environ.get("TEST_DATABASE_URL", "").strip()
         if test_url:
             config["TEST"] = {"NAME": dj_database_url.parse(test_url)["NAME"]}
@@ -197,6 +221,14 @@ if os.environ.get("HOLDFAST_INGESTER_DATABASE_URL", "").strip():
         **database_config("HOLDFAST_INGESTER_DATABASE_URL"),
         "TEST": {"MIRROR": "default"},
     }
+# LISTEN needs a session of its own: when DATABASE_URL goes through a pooler, this names a
+# direct connection to the same database for the workers' wake-ups and cancel requests.
+# Unset: LISTEN on DATABASE_URL, or (prepared statements off, i.e. behind a pooler) poll.
+HOLDFAST_LISTEN_DATABASE = (
+    database_config("HOLDFAST_LISTEN_DATABASE_URL")
+    if os.environ.get("HOLDFAST_LISTEN_DATABASE_URL", "").strip()
+    else None
+)
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 USE_TZ = True
@@ -214,6 +246,8 @@ HOLDFAST_RECLAIM_SECONDS = env_number("HOLDFAST_RECLAIM_SECONDS", 5)
 # health/ fails (ingester_stuck) when a submission waits in incoming/ longer than this: a
 # running ingester takes files within seconds. 0 turns the check off.
 HOLDFAST_SPOOL_STUCK_SECONDS = env_number("HOLDFAST_SPOOL_STUCK_SECONDS", 300)
+# A worker whose heartbeat stopped is shown as gone, and its row deleted after this long.
+HOLDFAST_WORKER_RETENTION_SECONDS = env_number("HOLDFAST_WORKER_RETENTION_SECONDS", 7 * 86400)
 HOLDFAST_SPOOL_DIR = Path(os.environ.get("HOLDFAST_SPOOL_DIR", VAR_DIR / "spool"))
 # A malformed spool file is quarantined only once unchanged this long (docs/ingestion.md).
 HOLDFAST_SPOOL_SETTLE_SECONDS = env_number("HOLDFAST_SPOOL_SETTLE_SECONDS", 2)

@@ -20,7 +20,7 @@ from typing import Any
 
 import psycopg
 from django.conf import settings
-from django.db import IntegrityError, OperationalError, connection, transaction
+from django.db import DatabaseError, IntegrityError, OperationalError, connection, transaction
 from django.db.models import F, Q, QuerySet, Subquery
 from django.db.models.base import ModelState
 from django.db.models.functions import Now
@@ -38,7 +38,7 @@ from .exceptions import (
 )
 from .log import get_logger
 from .models import ACTIVE_STATES, Job, JobEvent, JobLock, Lease, Outcome, State, Worker
-from .registry import DEFAULT_MAX_ATTEMPTS, HandlerSpec, all_handlers, get_handler
+from .registry import DEFAULT_MAX_ATTEMPTS, TASK_KIND, HandlerSpec, all_handlers, get_handler
 from .sql import Claimed, Settlement
 
 log = get_logger("jobs.engine")
@@ -509,6 +509,39 @@ def failed(job: Claimed, failure: Failure, backoff_seconds: float) -> Verdict:
     return Verdict(how, "job_retry_scheduled", {"error": how.last_error, "retry_in": how.delay})
 
 
+def interrupted(job: Claimed, failure: Failure, delay: float) -> Verdict:
+    """The attempt met a database fault (a restart, a failover, a lost prepared statement;
+    ``sql.fault``): no failure of the job. It goes back to the queue uncharged, its
+    attempt recorded as ``released`` with the error, to run again after ``delay``.
+
+    Unless the job already had ``max_attempts`` such attempts: a job that itself brings the
+    database down must still end, so from then on the fault is charged like any error.
+    """
+    try:
+        earlier = (
+            Lease.objects.filter(job_id=job.id, outcome=Outcome.RELEASED)
+            .exclude(error_class="")
+            .count()
+        )
+    except DatabaseError:
+        earlier = 0  # the database is still away: the settle will wait for it
+    if earlier >= job.max_attempts:
+        return failed(job, failure, delay)
+    error_class, message = storable(failure.error_class), storable(failure.message)
+    how = Settlement(
+        state=State.QUEUED,
+        outcome=Outcome.RELEASED,
+        delay=max(0.0, delay),
+        uncharge=True,
+        error_class=error_class,
+        error_message=message[:MAX_ERROR_MESSAGE],
+        traceback=storable(failure.traceback)[-MAX_TRACEBACK:],
+        context=storable(failure.context),
+    )
+    error = f"{error_class}: {message}"
+    return Verdict(how, "job_released", {"reason": "database", "error": error})
+
+
 def storable(value: Any) -> Any:
     """``value`` with NUL characters escaped: PostgreSQL text and jsonb cannot hold them.
 
@@ -813,6 +846,12 @@ def get_job(job_id: int) -> Job:
         raise JobNotFound(f"no job with id {job_id}") from None
 
 
+def kind_filter(kind: str) -> Q:
+    """Jobs of ``kind``: a handler's kind, or the path of a Django task function (all tasks
+    are ``django.task`` jobs; ``args["task"]`` names the function)."""
+    return Q(kind=kind) | Q(kind=TASK_KIND, args__task=kind)
+
+
 def dead_jobs(
     ids: Sequence[int] = (),
     kind: str | None = None,
@@ -824,7 +863,7 @@ def dead_jobs(
     if ids:
         query &= Q(pk__in=ids)
     if kind:
-        query &= Q(kind=kind)
+        query &= kind_filter(kind)
     if lane:
         query &= Q(lane=lane)
     if since:
@@ -832,31 +871,81 @@ def dead_jobs(
     return Job.objects.filter(query).order_by("pk")
 
 
-def requeue_dead(jobs: Sequence[Job], actor: str = "operator") -> list[int]:
-    """Move dead jobs back to ``queued`` with a fresh attempt budget.
+@dataclass(frozen=True)
+class RequeueReport:
+    """What ``requeue_each`` did: the jobs requeued, and each one it could not requeue
+    with the reason (``{"id": …, "reason": …}``)."""
+
+    requeued: list[int]
+    conflicts: list[dict[str, Any]]
+
+
+def requeue_each(
+    jobs: Iterable[Job], actor: str = "operator", dry_run: bool = False
+) -> RequeueReport:
+    """Move dead jobs back to ``queued`` with a fresh attempt budget, each on its own.
 
     ``attempts`` keeps counting (each attempt's record stays numbered uniquely); the
-    budget grows by the handler's ``max_attempts`` from the attempts spent so far.
+    budget grows by the handler's ``max_attempts`` from the attempts spent so far. A job
+    that cannot be requeued (its unique key is held by a live job, or it is no longer
+    dead) is reported and the others are requeued all the same: each job's change is its
+    own savepoint. ``dry_run`` changes nothing and reports what would happen.
     """
+    jobs = list(jobs)
+    holders = {
+        key: (job.pk, job.state)
+        for key, job in _active_by_key([job.unique_key for job in jobs if job.unique_key]).items()
+    }
     requeued: list[int] = []
-    with transaction.atomic():
-        for job in jobs:
-            budget = _requeue_budget(job.kind)
-            matched = Job.objects.filter(pk=job.pk, state=State.DEAD).update(
-                state=State.QUEUED,
-                run_at=Now(),
-                max_attempts=F("attempts") + budget,
-                finished_at=None,
-                cancel_requested=False,
-                updated_at=Now(),
-            )
-            if matched == 1:
-                _event(job.pk, "requeued", by=actor)
-                requeued.append(job.pk)
-                log.info("job_requeued", job_id=job.pk, kind=job.kind, lane=job.lane, by=actor)
-        if requeued:
-            _notify_lanes({job.lane for job in jobs if job.pk in requeued})
-    return requeued
+    conflicts: list[dict[str, Any]] = []
+
+    def conflict(job: Job, reason: str) -> None:
+        conflicts.append({"id": job.pk, "reason": reason})  # the caller reports them
+
+    for job in jobs:
+        key = job.unique_key
+        if key and key in holders:
+            holder, state = holders[key]
+            conflict(job, f"job {job.pk}: its unique key {key!r} is held by job {holder} ({state})")
+            continue
+        if job.state != State.DEAD:
+            conflict(job, f"job {job.pk} is {job.state}, not dead: nothing to requeue")
+            continue
+        if not dry_run:
+            try:
+                with transaction.atomic():
+                    matched = Job.objects.filter(pk=job.pk, state=State.DEAD).update(
+                        state=State.QUEUED,
+                        run_at=Now(),
+                        max_attempts=F("attempts") + _requeue_budget(job.kind),
+                        finished_at=None,
+                        cancel_requested=False,
+                        updated_at=Now(),
+                    )
+                    if matched == 1:
+                        _event(job.pk, "requeued", by=actor)
+            except IntegrityError:  # a live job took the key since we looked
+                holder_job = _active_by_key([key]).get(key) if key else None
+                held_by = f"job {holder_job.pk} ({holder_job.state})" if holder_job else "a job"
+                conflict(job, f"job {job.pk}: its unique key {key!r} is held by {held_by}")
+                continue
+            if matched != 1:
+                now = Job.objects.filter(pk=job.pk).values_list("state", flat=True).first()
+                conflict(job, f"job {job.pk} is {now or 'gone'}, not dead: nothing to requeue")
+                continue
+            log.info("job_requeued", job_id=job.pk, kind=job.kind, lane=job.lane, by=actor)
+        requeued.append(job.pk)
+        if key:
+            holders[key] = (job.pk, State.QUEUED)  # a second dead job with that key conflicts
+    if requeued and not dry_run:
+        done = set(requeued)
+        _notify_lanes({job.lane for job in jobs if job.pk in done})
+    return RequeueReport(requeued, conflicts)
+
+
+def requeue_dead(jobs: Sequence[Job], actor: str = "operator") -> list[int]:
+    """``requeue_each``, returning only the ids requeued."""
+    return requeue_each(jobs, actor=actor).requeued
 
 
 CANCEL_LOCK_WAIT = 3.0  # seconds: cancel_job answers within 5 s whatever holds the row
@@ -960,9 +1049,10 @@ def prune(older_than: timedelta, include_dead: bool = False, batch: int = 5000) 
 
 
 def requeue_one(job_id: int, actor: str = "operator") -> Job:
-    job = get_job(job_id)
-    if not requeue_dead([job], actor=actor):
-        raise StateConflict(f"job {job_id} is {job.state}, not dead: nothing to requeue")
+    """Requeue one dead job; StateConflict (saying why) if it cannot be."""
+    report = requeue_each([get_job(job_id)], actor=actor)
+    if report.conflicts:
+        raise StateConflict(report.conflicts[0]["reason"])
     return get_job(job_id)
 
 
@@ -1012,6 +1102,27 @@ def worker_heartbeat(worker_id: str, current_job: int | None) -> None:
 def worker_stopped(worker_id: str) -> None:
     Worker.objects.filter(pk=worker_id).update(stopped_at=Now(), current_job=None)
     log.info("worker_stopped", worker_id=worker_id)
+
+
+def prune_workers(retention_seconds: float | None = None, batch: int = 1000) -> int:
+    """Delete the rows of workers whose last heartbeat is older than the retention
+    (``HOLDFAST_WORKER_RETENTION_SECONDS``; stopped or gone alike), at most ``batch`` per
+    call: a bounded read and, when it found rows, a bounded delete; run by every lease
+    keeper's periodic pass."""
+    if retention_seconds is None:
+        retention_seconds = float(settings.HOLDFAST_WORKER_RETENTION_SECONDS)
+    cutoff = Now() - timedelta(seconds=retention_seconds)
+    expired = list(
+        Worker.objects.filter(heartbeat_at__lt=cutoff)
+        .order_by("heartbeat_at")
+        .values_list("pk", flat=True)[:batch]
+    )
+    if not expired:
+        return 0  # the usual pass: one read, no write (and no SQLite write lock)
+    deleted, _ = Worker.objects.filter(pk__in=expired, heartbeat_at__lt=cutoff).delete()
+    if deleted:
+        log.info("workers_pruned", count=deleted, retention_s=retention_seconds)
+    return deleted
 
 
 def db_now() -> datetime:

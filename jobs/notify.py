@@ -6,6 +6,12 @@ waiting here wakes within milliseconds of the commit. Polling every
 listener connection that broke). Likewise ``cancel_job`` sends
 ``pg_notify('holdfast_cancel', job_id)``, which a busy worker's lease keeper hears at
 once; the heartbeat's own check (at least every 5 s) stays as the fallback.
+
+LISTEN needs a session of its own, which a transaction-mode pooler does not give: the
+listeners connect to ``HOLDFAST_LISTEN_DATABASE_URL`` when it is set (a direct connection
+to the same database), else to ``DATABASE_URL`` unless prepared statements are off (the
+sign of a pooler), in which case workers poll. NOTIFY itself is transactional and works
+through a pooler.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import time
 from typing import Any
 
 import psycopg
+from django.conf import settings
 from django.db import connection
 
 from .engine import CANCEL_CHANNEL, NOTIFY_CHANNEL
@@ -149,13 +156,32 @@ class PostgresWaker(PollWaker, Listener):
         self._drop()
 
 
+def listen_settings() -> dict[str, Any] | None:
+    """Where the LISTEN connections go, or None when workers must poll (see above)."""
+    if connection.vendor != "postgresql":
+        return None
+    direct = getattr(settings, "HOLDFAST_LISTEN_DATABASE", None)
+    if direct:
+        return dict(direct)
+    if not getattr(settings, "HOLDFAST_PREPARED_STATEMENTS", True):
+        return None  # behind a pooler, and no direct connection named
+    return dict(connection.settings_dict)
+
+
 def waker_for_database() -> PollWaker:
+    where = listen_settings()
+    if where is not None:
+        return PostgresWaker(where)
     if connection.vendor == "postgresql":
-        return PostgresWaker(dict(connection.settings_dict))
+        log.info(
+            "listen_disabled",
+            reason="HOLDFAST_PREPARED_STATEMENTS is off and HOLDFAST_LISTEN_DATABASE_URL "
+            "is unset: polling",
+            poll_seconds=settings.HOLDFAST_POLL_SECONDS,
+        )
     return PollWaker()
 
 
 def cancel_listener_for_database() -> CancelListener | None:
-    if connection.vendor == "postgresql":
-        return CancelListener(dict(connection.settings_dict))
-    return None
+    where = listen_settings()
+    return CancelListener(where) if where is not None else None

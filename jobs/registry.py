@@ -18,6 +18,9 @@ from .exceptions import UnknownKind
 from .retry import RetryPolicy, as_policy
 
 DEFAULT_MAX_ATTEMPTS = 10
+# The kind of every job of Django's Tasks API (jobs.tasks_backend); its args name the task
+# function (``args["task"]``), and kind filters also take that path (engine.kind_filter).
+TASK_KIND = "django.task"
 
 HandlerFunc = Callable[..., Any]
 LocksFunc = Callable[[dict[str, Any]], list[str]]

@@ -7,16 +7,26 @@ from typing import Any
 
 from . import engine
 from .models import Job, JobEvent, Lease
+from .registry import TASK_KIND
 
 
 def timestamp(value: datetime | None) -> str | None:
     return value.isoformat() if value is not None else None
 
 
+def task_path(job: Job) -> str | None:
+    """A Django task's function path (its jobs are all of kind ``django.task``), else None."""
+    if job.kind == TASK_KIND and isinstance(job.args, dict):
+        path = job.args.get("task")
+        return path if isinstance(path, str) else None
+    return None
+
+
 def job_dict(job: Job) -> dict[str, Any]:
     return {
         "id": job.pk,
         "kind": job.kind,
+        "task": task_path(job),
         "lane": job.lane,
         "state": job.state,
         "args": job.args,

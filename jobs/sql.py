@@ -12,24 +12,36 @@ carries its guard in plain sight. Time always comes from the database clock
   <mine>`` and records the attempt's outcome in the same transaction. Zero rows means the
   lease was lost, and the caller raises ``LeaseLost``.
 
+The hot-path statements run as server-side prepared statements unless
+``HOLDFAST_PREPARED_STATEMENTS`` is off (PgBouncer in transaction mode). A prepared
+statement the server invalidated or lost (a migration changed the table, a pooler moved
+the session) is re-prepared on a fresh connection and the statement run again: a deploy is
+never an error of the job. ``fault()`` names the database errors that are about the
+session or the server, not about the statement's data; the worker never records those as
+a job's failure.
+
 Everything else in the engine is ORM.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
 import psycopg
-from django.db import IntegrityError, connection, transaction
+from django.conf import settings
+from django.db import DatabaseError, IntegrityError, connection, transaction
 from django.db.models import Count
 from django.utils.dateparse import parse_datetime
 
+from .log import get_logger
 from .models import ATTEMPT_COUNT_SHARDS, DURATION_BUCKETS, Job
+
+log = get_logger("jobs.sql")
 
 
 @dataclass(frozen=True)
@@ -365,6 +377,10 @@ def settle_and_claim(
     serializes every writer) so that the running count read before the claim stays true
     until the claim commits: the limit holds across all workers and hosts.
 
+    The claim is never a reason to lose the settle: when the fused statement fails for
+    anything but the connection (a refused claim, a trigger, a lost lock race), the settle
+    is written alone and the error is the next claim's.
+
     Returns whether the settle matched (False: the lease was lost) and the claimed job.
     """
     settle = job is not None and how is not None
@@ -374,20 +390,62 @@ def settle_and_claim(
     params: dict[str, Any] = {}
     if job is not None and how is not None:
         params.update(_settle_params(job, how))
-    for _ in range(MAX_LOCK_RACES):
+    try:
+        for _ in range(MAX_LOCK_RACES):
+            try:
+                return _replanning(
+                    lambda: _settle_and_claim_limited(
+                        params, settle, worker_id, lanes, limits, kinds
+                    )
+                )
+            except IntegrityError:
+                # Another claimer took one of the candidate's resource locks first (I8).
+                # The failed statement committed nothing, settle included: run it again;
+                # the winner's lock is visible now, so that candidate is skipped.
+                if not claim or connection.in_atomic_block:
+                    raise
+        # Still losing (a storm of claimers on few resources): settle alone, claim next
+        # time. The lost races are the next claim's, never a reason to fail the settled job.
+        if not settle:
+            return False, None
+    except DatabaseError as exc:
+        if not (settle and claim) or connection.in_atomic_block or fault(exc) is not None:
+            raise  # an outage or lost session: the caller retries the whole statement
+        log.error("claim_failed", job_id=params["job_id"], error=" ".join(str(exc).split()))
+    return _replanning(
+        lambda: _settle_and_claim_limited(params, settle, None, lanes, limits, kinds)
+    )
+
+
+def _replanning[T](run: Callable[[], T]) -> T:
+    """Run a hot-path step; if the server invalidated or lost its prepared statement
+    (a migration altered the table, a pooler changed sessions), run it again on a fresh
+    connection, whose statements are prepared anew.
+
+    Only outside the caller's transaction: there the failed statement changed nothing (it
+    ran alone), while inside one the whole transaction is lost and the caller decides. If
+    even a fresh connection's statement is lost (a pooler that does not keep prepared
+    statements), this process stops preparing and says so.
+    """
+    global _prepare_refused
+    for retry in range(3):
         try:
-            return _settle_and_claim_limited(params, settle, worker_id, lanes, limits, kinds)
-        except IntegrityError:
-            # Another claimer took one of the candidate's resource locks first (I8). The
-            # failed statement committed nothing, settle included: run it again; the
-            # winner's lock is visible now, so that candidate is skipped.
-            if not claim or connection.in_atomic_block:
+            return run()
+        except DatabaseError as exc:
+            if retry == 2 or connection.in_atomic_block or fault(exc) != "prepared":
                 raise
-    # Still losing (a storm of claimers on few resources): settle alone, claim next time.
-    # The lost races are the next claim's, never a reason to fail the settled job.
-    if settle:
-        return _settle_and_claim_limited(params, settle, None, lanes, limits, kinds)
-    return False, None
+            if retry == 1 and not _prepare_refused:
+                _prepare_refused = True
+                log.warning(
+                    "prepared_statements_unusable",
+                    error=" ".join(str(exc).split()),
+                    hint="set HOLDFAST_PREPARED_STATEMENTS=off behind a pooler that does "
+                    "not keep prepared statements (PgBouncer < 1.21 in transaction mode)",
+                )
+            else:
+                log.warning("prepared_statement_replanned", error=" ".join(str(exc).split()))
+            connection.close()
+    raise AssertionError("unreachable")
 
 
 def _settle_and_claim_limited(
@@ -741,15 +799,6 @@ def lock_waits_bounded(seconds: float) -> Iterator[None]:
             cursor.execute(f"PRAGMA busy_timeout = {int(previous)}")
 
 
-def limit_lock_waits(seconds: float) -> None:
-    """Bound how long this connection waits for a row or database lock from now on."""
-    with connection.cursor() as cursor:
-        if is_postgres():
-            cursor.execute(f"SET lock_timeout = '{int(seconds * 1000)}ms'")
-        else:
-            cursor.execute(f"PRAGMA busy_timeout = {int(seconds * 1000)}")
-
-
 def _full(limits: Mapping[str, int]) -> list[str]:
     """The limited lanes whose running jobs have reached their ``max_running``."""
     running = (
@@ -790,21 +839,69 @@ def _pg_settle_and_claim(
 
 
 def _pg_prepared(query: str, params: dict[str, Any]) -> Any:
-    """Run a hot-path statement as a prepared statement; return its one row (or None).
+    """Run a hot-path statement, prepared when allowed; return its one row (or None).
 
     Django's psycopg cursors bind parameters client-side and never prepare, so each claim
     and settle would be parsed and planned again: more server time than executing it.
     This runs the statement on a server-side-binding cursor of the same connection (so it
-    joins Django's current transaction, if any), prepared once per connection. That is
-    why every placeholder in these statements carries an explicit type.
+    joins Django's current transaction, if any), prepared once per connection unless
+    ``HOLDFAST_PREPARED_STATEMENTS`` is off. That is why every placeholder in these
+    statements carries an explicit type.
     """
     connection.ensure_connection()
     raw = connection.connection
-    if raw.prepare_threshold is None:
+    prepare = prepared_statements()
+    if prepare and raw.prepare_threshold is None:
         raw.prepare_threshold = 2**31 - 1  # only prepare=True statements get prepared
+    elif not prepare and raw.prepare_threshold is not None:
+        raw.prepare_threshold = None  # psycopg prepares nothing on this connection
     with connection.wrap_database_errors, psycopg.Cursor(raw) as cursor:
-        cursor.execute(query, params, prepare=True)
+        cursor.execute(query, params, prepare=prepare)
         return cursor.fetchone()
+
+
+def prepared_statements() -> bool:
+    """Whether the hot path may use server-side prepared statements (see ``_replanning``)."""
+    return bool(getattr(settings, "HOLDFAST_PREPARED_STATEMENTS", True)) and not _prepare_refused
+
+
+_prepare_refused = False  # set once a fresh connection lost its prepared statement too
+
+
+# --- database faults -------------------------------------------------------------------
+
+# Errors about the session or the server, never about the data of the statement that met
+# them: a fresh connection (or the same statement, re-prepared) can succeed.
+SERVER_STATES = frozenset(
+    {
+        "57P01",  # admin_shutdown: the server restarts, or the session was terminated
+        "57P02",  # crash_shutdown: another backend crashed
+        "57P03",  # cannot_connect_now: starting up, or in recovery
+        "57P05",  # idle_session_timeout
+        "25006",  # read_only_sql_transaction: a standby, or a demoted primary (failover)
+        "53300",  # too_many_connections
+    }
+)
+PREPARED_STATES = frozenset({"26000", "42P05"})  # statement gone / name taken (a pooler)
+STALE_PLAN = "cached plan must not change result type"  # 0A000, after ALTER TABLE
+
+
+def fault(exc: BaseException) -> str | None:
+    """``"prepared"`` or ``"connection"`` when ``exc`` is about the database session or
+    server rather than the statement's data (which no job is to blame for); else None."""
+    cause = exc if isinstance(exc, psycopg.Error) else exc.__cause__
+    if not isinstance(cause, psycopg.Error):
+        return None  # not PostgreSQL (SQLite's errors are about this host's file)
+    state = cause.sqlstate
+    if state in PREPARED_STATES or (state == "0A000" and STALE_PLAN in str(cause)):
+        return "prepared"
+    if state is None:
+        # No answer from a server at all: the connection broke, or never came up.
+        broken = isinstance(cause, psycopg.OperationalError | psycopg.InterfaceError)
+        return "connection" if broken else None
+    if state.startswith("08") or state in SERVER_STATES:
+        return "connection"
+    return None
 
 
 def _sqlite_settle_and_claim(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import datetime, timedelta
 from typing import Any
 
 from django.conf import settings
@@ -14,6 +15,31 @@ from .models import Job, State, Worker
 from .serialization import timestamp
 
 STALE_WORKER_FLOOR_SECONDS = 30.0
+LIVE, GONE = "live", "gone"
+
+
+@dataclass(frozen=True)
+class Liveness:
+    """Whether a worker is ``live`` or ``gone``: the one rule, for queue_status, the API's
+    ``queue/`` and ``health/``, and the metrics.
+
+    A worker is gone when its heartbeat (every 5 s while it runs) is older than
+    ``stale_after`` seconds: the lease length, at least 30 s. A gone worker's row stays,
+    shown as gone, until ``HOLDFAST_WORKER_RETENTION_SECONDS`` prune it.
+    """
+
+    stale_after: float
+    cutoff: datetime  # heartbeats before this (database clock) are gone
+
+    def status(self, heartbeat_at: datetime) -> str:
+        return LIVE if heartbeat_at >= self.cutoff else GONE
+
+
+def worker_liveness(now: datetime | None = None) -> Liveness:
+    """The live/gone rule as of ``now`` (default: the database clock)."""
+    stale_after = max(STALE_WORKER_FLOOR_SECONDS, float(settings.HOLDFAST_LEASE_SECONDS))
+    now = engine.db_now() if now is None else now
+    return Liveness(stale_after, now - timedelta(seconds=stale_after))
 
 
 @dataclass(frozen=True)
@@ -71,11 +97,11 @@ def queue_status() -> dict[str, Any]:
         }
         for job in Job.objects.filter(state=State.RUNNING).order_by("lease_expires_at")[:200]
     ]
-    stale_after = max(STALE_WORKER_FLOOR_SECONDS, float(settings.HOLDFAST_LEASE_SECONDS))
+    liveness = worker_liveness(now)
     live = [
         worker
         for worker in Worker.objects.filter(stopped_at__isnull=True)
-        if (now - worker.heartbeat_at).total_seconds() <= stale_after
+        if liveness.status(worker.heartbeat_at) == LIVE
     ]
     workers = [
         {
@@ -86,7 +112,8 @@ def queue_status() -> dict[str, Any]:
             "kinds": worker.kinds,  # None: not recorded (an older worker)
             "current_job": worker.current_job,
             "heartbeat_at": timestamp(worker.heartbeat_at),
-            "stale": (now - worker.heartbeat_at).total_seconds() > stale_after,
+            "status": liveness.status(worker.heartbeat_at),
+            "stale": liveness.status(worker.heartbeat_at) != LIVE,  # older name of gone
         }
         for worker in Worker.objects.filter(stopped_at__isnull=True).order_by("pk")
     ]

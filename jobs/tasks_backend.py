@@ -36,13 +36,13 @@ from django.utils.module_loading import import_string
 
 from . import lanes as lane_config
 from .exceptions import Cancelled, InvalidJob, LaneFull, LaneRefused, PermanentError, UnknownKind
-from .registry import handler
+from .registry import TASK_KIND, handler
 
 if TYPE_CHECKING:
     from .context import JobContext
     from .models import Job, Lease
 
-KIND = "django.task"
+KIND = TASK_KIND
 
 # The backend's OPTIONS: defaults for every task it enqueues (a task's own @task(...)
 # options win).
@@ -51,6 +51,11 @@ OPTION_NAMES = ("max_attempts", "lease_seconds")
 LocksOption = Sequence[str] | Callable[..., Iterable[str]] | None
 
 _RESULT_ID = re.compile(r"[0-9]{1,18}")  # a job's primary key; longer would overflow bigint
+
+
+class InvalidTaskArguments(InvalidTask, InvalidJob, TypeError):
+    """Task arguments that JSON cannot carry. A ``TypeError``, as Django's own backends
+    raise for them, and also Django's ``InvalidTask`` and Holdfast's ``InvalidJob``."""
 
 
 class LeaseExpired(Exception):
@@ -246,8 +251,9 @@ class HoldfastBackend(BaseTaskBackend):
                 "takes_context": task.takes_context,
                 "run_after": task.run_after.isoformat() if task.run_after else None,
             }
+            engine.ARGS_ENCODER.encode([payload["args"], payload["kwargs"]])  # NaN, Infinity
         except (TypeError, ValueError) as exc:
-            raise InvalidTask(
+            raise InvalidTaskArguments(
                 f"Task {task.module_path}: arguments must be JSON-serializable ({exc})."
             ) from None
         locks = _locks_for(task, args, kwargs)
@@ -454,7 +460,10 @@ def run_task(ctx: JobContext, **payload: Any) -> Any:
         else:
             raw = task.call(*result.args, **result.kwargs)
         value = _json_result(raw)
-    except Exception as exc:
+    except BaseException as exc:
+        # SystemExit and KeyboardInterrupt too (Django's backends record them as failures):
+        # the worker's own shutdown never raises into a task, so whatever arrives here is
+        # the task's. Recorded with its own class; the worker records the attempt likewise.
         result.errors.append(
             TaskError(
                 exception_class_path=f"{type(exc).__module__}.{type(exc).__qualname__}",

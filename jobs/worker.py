@@ -5,7 +5,8 @@ claims (only kinds it has handlers for), runs the handler and settles. The *leas
 keeper* renews the current job's lease every third of its length (fenced: a lost lease
 is flagged on ``ctx``), refreshes the worker's own heartbeat, hears cancel requests and
 enforces the shutdown grace period. The *reclaimer* ends expired leases of other workers
-at least every ``HOLDFAST_RECLAIM_SECONDS``, on its own connection and timing, so a big
+at least every ``HOLDFAST_RECLAIM_SECONDS`` (and prunes the rows of workers gone longer
+than ``HOLDFAST_WORKER_RETENTION_SECONDS``), on its own connection and timing, so a big
 reclaim never delays this worker's own renewals.
 
 A handler cannot kill its worker: anything it raises (``SystemExit`` and
@@ -15,7 +16,10 @@ its supervisor to restart it.
 
 A database outage never kills the worker: every database step is retried with backoff
 capped at 30 s, and a job whose settlement could not be written is settled when the
-database returns (or, if its lease ran out meanwhile, left to the reclaimer).
+database returns (or, if its lease ran out meanwhile, left to the reclaimer). A database
+fault is never the job's failure: a handler that met one (a restart, a failover, a
+prepared statement a migration invalidated; ``sql.fault``) gives its job back uncharged,
+and a claim the database refuses is retried with backoff, never fatal.
 """
 
 from __future__ import annotations
@@ -65,6 +69,7 @@ log = get_logger("jobs.worker")
 T = TypeVar("T")
 DB_ERRORS = (OperationalError, InterfaceError)
 MAX_DB_BACKOFF = 30.0
+INTERRUPTED_RETRY_SECONDS = 1.0  # a job given back after a database fault runs again then
 RELEASE_LOCK_WAIT = 2.0  # seconds the shutdown release may wait for the job row
 EXIT_KEEPER_DIED = 70  # EX_SOFTWARE: the lease keeper thread died; restart the worker
 KEEPER_DEATH_RELEASE_SECONDS = 10.0  # how long a dying keeper tries to give jobs back
@@ -183,7 +188,11 @@ class WorkerProcess:
                 self._release_orphans(keep=None)
                 return engine.claim(self.worker_id, self.lanes, self.limits, self.kinds)
 
-            return self._with_db_retry(step, give_up=lambda: self.stopping)
+            return self._with_db_retry(
+                step,
+                give_up=lambda: self.stopping,
+                refusals_too=True,  # a claim the database refuses is retried, not fatal
+            )
         except GaveUp:
             return None
 
@@ -256,7 +265,15 @@ class WorkerProcess:
                 context=bound_context(),
                 permanent=isinstance(exc, PermanentError | UnknownKind),
             )
+            if isinstance(exc, DatabaseError) and sql.fault(exc) is not None:
+                return self._interrupted(job, failure)
             return engine.failed(job, failure, _backoff(job))
+
+    def _interrupted(self, job: Claimed, failure: engine.Failure) -> engine.Verdict:
+        """The handler met a database fault, not a failure of its job: give it back."""
+        log.warning("job_interrupted", error=f"{failure.error_class}: {failure.message}")
+        connection.close()  # a fresh session: reconnected, statements prepared anew
+        return engine.interrupted(job, failure, INTERRUPTED_RETRY_SECONDS)
 
     def _settle(self, job: Claimed, verdict: engine.Verdict | None) -> Claimed | None:
         """Write the verdict and claim the next job (unless stopping) in one commit.
@@ -370,6 +387,7 @@ class WorkerProcess:
                 reclaimed: list[int] = []
                 self._quietly(lambda: reclaimed.extend(engine.reclaim_expired()))  # noqa: B023
                 if len(reclaimed) < sql.RECLAIM_BATCH:
+                    self._quietly(engine.prune_workers)  # rows of long-gone workers
                     self._keeper_stop.wait(every)
         finally:
             close_old_connections()
@@ -400,14 +418,14 @@ class WorkerProcess:
         try:
             # The handler may hold the job row (a long ctx.atomic block): wait a little,
             # never forever; if the release cannot be written, the lease expires instead.
-            sql.limit_lock_waits(RELEASE_LOCK_WAIT)
-            engine.release(job)
+            with sql.lock_waits_bounded(RELEASE_LOCK_WAIT):
+                engine.release(job)
         except LeaseLost:
             with self._current_lock:
                 moved_on = self.current is None or self.current[0] is not job
             if moved_on:
                 return  # settled meanwhile, maybe with the next job claimed: look again
-        except DB_ERRORS as exc:
+        except DatabaseError as exc:
             log.error("release_failed", job_id=job.id, error=_one_line(exc))
         self._quietly(lambda: engine.worker_stopped(self.worker_id))
         sys.stderr.flush()
@@ -415,14 +433,25 @@ class WorkerProcess:
 
     # --- database outages --------------------------------------------------------------
 
-    def _with_db_retry(self, step: Callable[[], T], give_up: Callable[[], bool] | None = None) -> T:
-        """Run ``step``; while the database is unreachable, log and retry with backoff."""
+    def _with_db_retry(
+        self,
+        step: Callable[[], T],
+        give_up: Callable[[], bool] | None = None,
+        refusals_too: bool = False,
+    ) -> T:
+        """Run ``step``; while the database is unreachable, log and retry with backoff.
+
+        With ``refusals_too`` every database error is retried so, not only outages.
+        """
         delay = 0.5
         while True:
             try:
                 return step()
-            except DB_ERRORS as exc:
-                log.error("database_unavailable", error=_one_line(exc), retry_in=delay)
+            except DatabaseError as exc:
+                if not (refusals_too or _retryable(exc)):
+                    raise
+                event = "database_unavailable" if _retryable(exc) else "database_refused"
+                log.error(event, error=_one_line(exc), retry_in=delay)
                 connection.close()
                 self._after_outage = True
                 deadline = time.monotonic() + delay
@@ -444,7 +473,10 @@ class WorkerProcess:
         """Run a background step; log its failure instead of letting it end the thread."""
         try:
             step()
-        except DB_ERRORS as exc:
+        except DatabaseError as exc:
+            if not _retryable(exc):
+                log.exception("background_step_failed")
+                return
             log.warning("database_unavailable", error=_one_line(exc), during="background")
             connection.close()
         except Exception:
@@ -454,6 +486,12 @@ class WorkerProcess:
 def _flush_progress(ctx: JobContext) -> None:
     with contextlib.suppress(LeaseLost):  # the settle finds that out and logs it
         ctx.flush_progress()
+
+
+def _retryable(exc: BaseException) -> bool:
+    """An engine step that met this is run again after a pause: an outage, a timeout, a
+    lost session or prepared statement."""
+    return isinstance(exc, DB_ERRORS) or sql.fault(exc) is not None
 
 
 @functools.cache

@@ -21,7 +21,6 @@ import os
 import time
 from collections import defaultdict
 from collections.abc import Iterator
-from datetime import timedelta
 from typing import Any
 
 from django.conf import settings
@@ -37,7 +36,7 @@ from prometheus_client.registry import Collector, CollectorRegistry
 from jobs import engine
 from jobs import lanes as lane_config
 from jobs.models import DURATION_BUCKETS, AttemptCount, Job, Outcome, Schedule, State, Worker
-from jobs.status import STALE_WORKER_FLOOR_SECONDS
+from jobs.status import worker_liveness
 
 #: The states ``holdfast_jobs`` reports: what is waiting, working and waiting for a human.
 GAUGED_STATES = (State.QUEUED, State.RUNNING, State.DEAD)
@@ -58,15 +57,14 @@ METRIC_NAMES = (
 
 
 def worker_counts() -> dict[str, Any]:
-    """Registered workers not stopped, by status: ``live`` (heartbeat within the cutoff)
-    or ``gone``. The cutoff is ``queue_status``'s: max(30 s, one lease)."""
-    stale_after = max(STALE_WORKER_FLOOR_SECONDS, float(settings.HOLDFAST_LEASE_SECONDS))
-    cutoff = engine.db_now() - timedelta(seconds=stale_after)
+    """Registered workers not stopped, by status: ``live`` or ``gone``, by the one rule
+    (``jobs.status.worker_liveness``) that queue_status and health/ follow too."""
+    liveness = worker_liveness()
     counts = Worker.objects.filter(stopped_at__isnull=True).aggregate(
-        live=Count("pk", filter=Q(heartbeat_at__gte=cutoff)),
-        gone=Count("pk", filter=Q(heartbeat_at__lt=cutoff)),
+        live=Count("pk", filter=Q(heartbeat_at__gte=liveness.cutoff)),
+        gone=Count("pk", filter=Q(heartbeat_at__lt=liveness.cutoff)),
     )
-    return {"live": counts["live"], "gone": counts["gone"], "stale_after_s": stale_after}
+    return {"live": counts["live"], "gone": counts["gone"], "stale_after_s": liveness.stale_after}
 
 
 def spool_files() -> tuple[dict[str, int], float]:

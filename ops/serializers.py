@@ -131,7 +131,11 @@ class PageQuery(serializers.Serializer):
 
 class DeadJobsQuery(PageQuery):
     lane = StrictCharField(required=False, max_length=100, help_text="only jobs of this lane")
-    kind = StrictCharField(required=False, max_length=200, help_text="only jobs of this kind")
+    kind = StrictCharField(
+        required=False,
+        max_length=200,
+        help_text="only jobs of this kind, or of this Django task (its function path)",
+    )
     since = AwareDateTimeField(
         required=False,
         help_text="only jobs that died at or after this time (ISO 8601 with a UTC offset)",
@@ -176,6 +180,25 @@ class Resolve(serializers.Serializer):
     )
 
 
+class RequeueDead(serializers.Serializer):
+    """The body of ``POST dead-jobs/requeue/``: which dead jobs (``requeue_dead``'s choice)."""
+
+    ids = serializers.ListField(
+        child=serializers.IntegerField(min_value=1, max_value=2**63 - 1),
+        required=False,
+        max_length=10_000,
+        help_text="these jobs (one that is not dead is reported as a conflict)",
+    )
+    kind = StrictCharField(
+        required=False, max_length=200, help_text="a job kind, or a Django task's function path"
+    )
+    lane = StrictCharField(required=False, max_length=100)
+    all = serializers.BooleanField(
+        required=False, default=False, help_text="every dead job (a body naming none: no job)"
+    )
+    dry_run = serializers.BooleanField(required=False, default=False)
+
+
 # --- responses (schema only) -------------------------------------------------------------
 
 
@@ -194,6 +217,9 @@ class ErrorResponse(serializers.Serializer):
 class JobResponse(serializers.Serializer):
     id = serializers.IntegerField()
     kind = serializers.CharField()
+    task = serializers.CharField(
+        allow_null=True, help_text="a Django task's function path (kind django.task), else null"
+    )
     lane = serializers.CharField()
     state = serializers.ChoiceField(choices=State.values)
     args = serializers.JSONField()
@@ -215,6 +241,22 @@ class JobResponse(serializers.Serializer):
     started_at = serializers.DateTimeField(allow_null=True)
     finished_at = serializers.DateTimeField(allow_null=True)
     last_error = serializers.CharField(allow_null=True)
+
+
+class RequeueConflict(serializers.Serializer):
+    id = serializers.IntegerField()
+    reason = serializers.CharField(help_text="why this job was not requeued")
+
+
+class RequeueResponse(serializers.Serializer):
+    requeued = serializers.ListField(child=serializers.IntegerField())
+    dry_run = serializers.BooleanField()
+    conflicts = serializers.ListField(child=RequeueConflict())
+
+
+class RequeueRefusedResponse(RequeueResponse):
+    error = serializers.CharField()
+    code = serializers.CharField(help_text="conflict")
 
 
 class LeaseResponse(serializers.Serializer):
@@ -332,7 +374,12 @@ class WorkerFigures(serializers.Serializer):
     )
     current_job = serializers.IntegerField(allow_null=True)
     heartbeat_at = serializers.DateTimeField()
-    stale = serializers.BooleanField()
+    status = serializers.ChoiceField(
+        choices=["live", "gone"],
+        help_text="gone: no heartbeat for stale_after (the lease, at least 30 s); the row is "
+        "pruned after HOLDFAST_WORKER_RETENTION_SECONDS",
+    )
+    stale = serializers.BooleanField(help_text="status is not live (the older field)")
 
 
 class UnservedKind(serializers.Serializer):
@@ -374,7 +421,8 @@ class QueueResponse(serializers.Serializer):
 
 class HealthWorkers(serializers.Serializer):
     live = serializers.IntegerField()
-    stale = serializers.IntegerField()
+    gone = serializers.IntegerField(help_text="workers whose heartbeat stopped (not pruned yet)")
+    stale = serializers.IntegerField(help_text="= gone (the older field)")
     stale_after_s = serializers.FloatField()
 
 

@@ -10,6 +10,7 @@ app_name = "ops"
 urlpatterns = [
     path("queue/", views.QueueView.as_view(), name="queue"),
     path("dead-jobs/", views.DeadJobsView.as_view(), name="dead-jobs"),
+    path("dead-jobs/requeue/", views.RequeueDeadView.as_view(), name="dead-jobs-requeue"),
     path("jobs/<int:job_id>/", views.JobView.as_view(), name="job"),
     path("jobs/<int:job_id>/requeue/", views.RequeueView.as_view(), name="job-requeue"),
     path("jobs/<int:job_id>/cancel/", views.CancelView.as_view(), name="job-cancel"),

@@ -34,6 +34,7 @@ from ingestion.spool import grace_seconds
 from jobs import engine
 from jobs.exceptions import InvalidJob
 from jobs.log import get_logger
+from jobs.models import Job
 from jobs.serialization import job_detail_dict, job_dict
 from jobs.status import queue_status
 
@@ -51,6 +52,9 @@ from .serializers import (
     JobDetailResponse,
     JobResponse,
     QueueResponse,
+    RequeueDead,
+    RequeueRefusedResponse,
+    RequeueResponse,
     Resolve,
     SearchQuery,
     SearchResponse,
@@ -162,6 +166,60 @@ class DeadJobsView(OpsView):
         )
         page = paginate(request, self.query, found.order_by("-pk"), "jobs", job_dict)
         return Response(page)
+
+
+class RequeueDeadView(OpsView):
+    """``requeue_dead`` over HTTP: each chosen dead job requeued on its own."""
+
+    @extend_schema(
+        operation_id="requeue_dead_jobs",
+        tags=["jobs"],
+        summary="Requeue dead jobs (requeue_dead --json)",
+        description="Each chosen dead job goes back to `queued` on its own, with a fresh "
+        "attempt budget. The body chooses them as `requeue_dead` does (`ids`, `kind`, `lane`, "
+        "or `all`; one that names none chooses no job). A job that cannot be requeued (its "
+        "unique key is held by a live job, or it is not dead) is listed in `conflicts` with "
+        "the reason, and the others are requeued all the same: 200. Only when there were "
+        "conflicts and nothing could be requeued: 409, with the same fields. `dry_run` "
+        "changes nothing.",
+        request=RequeueDead,
+        examples=[OpenApiExample("by kind", value={"kind": "photo.resize"}, request_only=True)],
+        responses={
+            200: RequeueResponse,
+            409: OpenApiResponse(RequeueRefusedResponse, description="nothing requeued"),
+            415: schema.UNSUPPORTED,
+            **schema.WRITE_ERRORS,
+        },
+    )
+    def post(self, request: Request) -> Response:
+        body = RequeueDead(data=request.data)
+        body.is_valid(raise_exception=True)
+        chosen = body.validated_data
+        ids = chosen.get("ids") or []
+        kind, lane = chosen.get("kind"), chosen.get("lane")
+        selected: list[Job] = []
+        if ids or kind or lane or chosen["all"]:  # a body that names nothing chooses no job
+            selected = list(engine.dead_jobs(ids, kind=kind, lane=lane))
+        if ids:  # named jobs that are not dead are conflicts, reported with the rest
+            found = {job.pk for job in selected}
+            others = Job.objects.filter(pk__in=[pk for pk in ids if pk not in found])
+            missing = sorted(set(ids) - found - {job.pk for job in others})
+            if missing:
+                raise NotFound(f"no job with id {', '.join(map(str, missing))}")
+            selected = sorted([*selected, *others], key=lambda job: job.pk)
+        report = engine.requeue_each(
+            selected, actor=principal(request).name, dry_run=chosen["dry_run"]
+        )
+        data: dict[str, Any] = {
+            "requeued": report.requeued,
+            "dry_run": chosen["dry_run"],
+            "conflicts": report.conflicts,
+        }
+        if report.conflicts and not report.requeued:
+            reasons = "; ".join(conflict["reason"] for conflict in report.conflicts[:3])
+            refused = {"error": f"nothing requeued: {reasons}", "code": "conflict", **data}
+            return Response(refused, status=409)
+        return Response(data)
 
 
 class JobView(OpsView):
@@ -420,11 +478,12 @@ def health_reasons(workers: dict[str, Any], spool: dict[str, Any]) -> list[dict[
 
 
 def worker_health() -> dict[str, Any]:
-    """Workers not stopped, split by whether their heartbeat is recent (as queue_status)."""
+    """Workers not stopped, live or gone by their heartbeat (the rule of queue_status)."""
     counts = metrics.worker_counts()
     return {
         "live": counts["live"],
-        "stale": counts["gone"],
+        "gone": counts["gone"],
+        "stale": counts["gone"],  # the older name of gone
         "stale_after_s": counts["stale_after_s"],
     }
 

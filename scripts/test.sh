@@ -131,6 +131,18 @@ if ((run_postgres)); then
     shown_url=$(sed -E 's#(://[^:/@]*):[^@/]*@#\1:***@#' <<<"$pg_url")
     echo
     echo "== tests on PostgreSQL ($shown_url, from $pg_source) =="
+    # The PgBouncer tests fail without PgBouncer: say so before they run, never skip silently.
+    if ! command -v pgbouncer >/dev/null && [[ ! -x /usr/sbin/pgbouncer ]] &&
+        [[ ! -x ${PGBOUNCER:-/nonexistent} ]]; then
+        if [[ ${HOLDFAST_SKIP_PGBOUNCER:-} == 1 ]]; then
+            echo "test.sh: !!! PgBouncer is not installed: SKIPPING the PgBouncer tests" \
+                "(HOLDFAST_SKIP_PGBOUNCER=1) !!!" >&2
+        else
+            echo "test.sh: !!! PgBouncer is not installed: the PgBouncer tests" \
+                "(tests/process/test_pgbouncer.py) will FAIL. Install it (apt-get install -y" \
+                "pgbouncer), or set HOLDFAST_SKIP_PGBOUNCER=1 to skip them knowingly !!!" >&2
+        fi
+    fi
     DATABASE_URL=$pg_url "$PY" -m pytest "$@"
     record PostgreSQL $?
 fi

@@ -133,6 +133,7 @@ ENDPOINTS = [
     ("GET", "dead-jobs/", None),
     ("GET", "jobs/{dead}/", None),
     ("POST", "jobs/{dead}/requeue/", None),
+    ("POST", "dead-jobs/requeue/", {"all": True}),
     ("POST", "jobs/{queued}/cancel/", None),
     ("GET", "reconciliation-issues/", None),
     ("POST", "reconciliation-issues/{issue}/resolve/", {"comment": "re-sent by the lab"}),
@@ -245,7 +246,7 @@ def test_health_with_a_token_gives_details(client, api_tokens, which, live_worke
     assert response.status_code == 200
     data = response.json()
     assert data["status"] == "ok" and data["database"] == "ok" and data["reasons"] == []
-    assert set(data["workers"]) == {"live", "stale", "stale_after_s"}
+    assert set(data["workers"]) == {"live", "gone", "stale", "stale_after_s"}
     assert set(data["spool"]) == {"pending", "oldest_age_s"}
 
 
@@ -628,14 +629,14 @@ def test_resolve_with_a_form_body_is_415(client, api_tokens):
 # --- health ------------------------------------------------------------------------------
 
 
-def test_health_counts_live_and_stale_workers(client, api_tokens, settings):
+def test_health_counts_live_and_gone_workers(client, api_tokens, settings):
     settings.HOLDFAST_LEASE_SECONDS = 60
     Worker.objects.create(id="fresh", host="h", pid=1)
     Worker.objects.create(id="silent", host="h", pid=2)
     Worker.objects.create(id="gone", host="h", pid=3, stopped_at=timezone.now())
     Worker.objects.filter(pk="silent").update(heartbeat_at=timezone.now() - timedelta(minutes=5))
     workers = call(client, "GET", "health/", api_tokens.read).json()["workers"]
-    assert workers == {"live": 1, "stale": 1, "stale_after_s": 60.0}
+    assert workers == {"live": 1, "gone": 1, "stale": 1, "stale_after_s": 60.0}
     settings.HOLDFAST_LEASE_SECONDS = 10  # the floor is 30 s
     assert call(client, "GET", "health/", api_tokens.read).json()["workers"]["stale_after_s"] == 30
 
@@ -766,6 +767,7 @@ def test_the_schema_is_public_json_openapi_3(client):
         "/internal/v1/queue/",
         "/internal/v1/metrics/",
         "/internal/v1/dead-jobs/",
+        "/internal/v1/dead-jobs/requeue/",
         "/internal/v1/jobs/{job_id}/",
         "/internal/v1/jobs/{job_id}/requeue/",
         "/internal/v1/jobs/{job_id}/cancel/",

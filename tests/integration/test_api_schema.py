@@ -68,6 +68,7 @@ def api_schema(live_server, rows: Rows) -> BaseSchema:
 OPERATIONS = [
     ("GET", "/internal/v1/queue/", None, False),
     ("GET", "/internal/v1/dead-jobs/", None, True),
+    ("POST", "/internal/v1/dead-jobs/requeue/", None, True),
     ("GET", "/internal/v1/jobs/{job_id}/", "job_id", True),
     ("POST", "/internal/v1/jobs/{job_id}/requeue/", "job_id", True),
     ("POST", "/internal/v1/jobs/{job_id}/cancel/", "job_id", True),

@@ -81,11 +81,13 @@ def test_requeue_dead_dry_run_then_for_real():
     assert run_json("requeue_dead", "--all", "--dry-run") == {
         "requeued": [dead.pk],
         "dry_run": True,
+        "conflicts": [],
     }
     assert Job.objects.get(pk=dead.pk).state == State.DEAD
     assert run_json("requeue_dead", "--kind", "test.fail") == {
         "requeued": [dead.pk],
         "dry_run": False,
+        "conflicts": [],
     }
     assert Job.objects.get(pk=dead.pk).state == State.QUEUED
 

@@ -126,6 +126,15 @@ def test_workers_survive_database_crashes_and_apply_each_effect_once(
             == []
         )
         assert probe.rows("SELECT count(*) FROM jobs_lease WHERE outcome = 'running'") == [(0,)]
+        # A crash is nobody's failure: no attempt is recorded as failed, and a job is charged
+        # only for attempts whose lease ran out during the longer outage (reclaimed).
+        failed = probe.rows("SELECT job_id, error_class FROM jobs_lease WHERE outcome = 'failed'")
+        assert failed == [], describe()
+        overcharged = probe.rows(
+            "SELECT j.id, j.attempts FROM jobs_job j WHERE j.attempts <> 1 + (SELECT count(*) "
+            "FROM jobs_lease l WHERE l.job_id = j.id AND l.outcome = 'lease_expired')"
+        )
+        assert overcharged == [], describe()
         # I1: each attempt's lease began after the previous one was released.
         overlapping = probe.rows(
             "SELECT a.job_id, a.lease_token FROM jobs_lease a JOIN jobs_lease b "

@@ -6,6 +6,7 @@ imports this module by the path stored on each task's job.
 
 import asyncio
 import os
+import sys
 import time
 from typing import Any
 
@@ -96,3 +97,22 @@ def sleep_on_first_attempt(context: TaskContext, marker: str, seconds: float) ->
             handle.write(str(os.getpid()))
         time.sleep(seconds)
     return {"attempt": context.attempt, "worker_ids": context.task_result.worker_ids}
+
+
+class ReportMissing(LookupError):
+    """An application's own exception class: a failed task records it, not a wrapper."""
+
+
+@task(max_attempts=1)
+def missing_report(day: str) -> None:
+    raise ReportMissing(f"no report for {day}")
+
+
+@task(max_attempts=1)
+def exits(code: int) -> None:
+    sys.exit(code)
+
+
+@task(max_attempts=1)
+def interrupts() -> None:
+    raise KeyboardInterrupt("the task pressed Ctrl-C")

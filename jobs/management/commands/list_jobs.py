@@ -2,6 +2,7 @@ from typing import Any
 
 from django.core.management.base import CommandParser
 
+from jobs import engine
 from jobs.management.base import JobsCommand, limit
 from jobs.models import Job, State
 from jobs.serialization import job_dict
@@ -14,14 +15,16 @@ class Command(JobsCommand):
         super().add_arguments(parser)
         parser.add_argument("--state", choices=State.values)
         parser.add_argument("--lane")
-        parser.add_argument("--kind")
+        parser.add_argument("--kind", help="a job kind, or a Django task's function path")
         parser.add_argument("--limit", type=limit, default=50)
 
     def handle(self, *args: Any, **options: Any) -> None:
         jobs = Job.objects.order_by("-pk")
-        for field in ("state", "lane", "kind"):
+        for field in ("state", "lane"):
             if options[field]:
                 jobs = jobs.filter(**{field: options[field]})
+        if options["kind"]:
+            jobs = jobs.filter(engine.kind_filter(options["kind"]))
         rows = [job_dict(job) for job in jobs[: options["limit"]]]
         if options["as_json"]:
             self.emit_json({"count": len(rows), "jobs": rows})
@@ -33,6 +36,7 @@ class Command(JobsCommand):
             self.stdout.write(
                 f"{row['id']:>8}  {row['state']:<10} {row['lane']:<12} "
                 f"{row['attempts']:>3}/{row['max_attempts']:<4}  {row['kind']}"
+                + (f" {row['task']}" if row["task"] else "")
                 + (f"  — {row['last_error']}" if row["last_error"] else "")
             )
         self.stdout.write(f"({len(rows)} shown)")

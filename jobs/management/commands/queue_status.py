@@ -35,7 +35,7 @@ class Command(JobsCommand):
             )
         write(f"workers: {len(status['workers'])}")
         for worker in status["workers"]:
-            flag = "  STALE (no heartbeat)" if worker["stale"] else ""
+            flag = "  GONE (no heartbeat)" if worker["status"] != "live" else ""
             write(f"  {worker['id']} heartbeat {worker['heartbeat_at']}{flag}")
         for unserved in status["unserved_kinds"]:
             write(

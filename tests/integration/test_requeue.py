@@ -1,0 +1,133 @@
+"""Operator requeues are per job (issue 12): one job that cannot be requeued (its unique
+key is held by a live job) is reported, and the others are requeued all the same; the
+command exits 1, and the API answers 409, only when nothing could be requeued."""
+
+from __future__ import annotations
+
+import pytest
+from django.test import Client
+
+from jobs import engine
+from jobs.models import Job, State
+from ops import tokens
+
+from .helpers import exit_code, run, run_json
+from .test_api import call
+
+pytestmark = pytest.mark.django_db
+
+
+@pytest.fixture
+def client() -> Client:
+    return Client(enforce_csrf_checks=True)
+
+
+@pytest.fixture
+def write_token() -> str:
+    return tokens.create("ops-bot", "write")[1]
+
+
+@pytest.fixture
+def read_token() -> str:
+    return tokens.create("reader", "read")[1]
+
+
+def dead(kind: str = "test.echo", unique_key: str | None = None) -> Job:
+    job = engine.enqueue(kind, {"n": unique_key or "plain"}, unique_key=unique_key)
+    assert job is not None
+    Job.objects.filter(pk=job.pk).update(state=State.DEAD, last_error="RuntimeError: boom")
+    job.refresh_from_db()
+    return job
+
+
+def three_dead_one_blocked() -> tuple[Job, Job, Job, Job]:
+    """Three dead jobs, the second of which shares its unique key with a queued job."""
+    first, blocked, last = dead(), dead(unique_key="report:7"), dead(unique_key="report:8")
+    holder = engine.enqueue("test.echo", {"n": "again"}, unique_key="report:7")
+    assert holder is not None and holder.pk != blocked.pk
+    return first, blocked, last, holder
+
+
+def test_one_conflict_among_several_dead_jobs_is_reported_and_the_rest_requeued():
+    first, blocked, last, holder = three_dead_one_blocked()
+    dry = run_json("requeue_dead", "--all", "--dry-run")
+    assert dry["requeued"] == [first.pk, last.pk] and dry["dry_run"] is True
+    assert [c["id"] for c in dry["conflicts"]] == [blocked.pk]
+    assert Job.objects.filter(state=State.DEAD).count() == 3
+
+    data = run_json("requeue_dead", "--all")
+    assert data["requeued"] == [first.pk, last.pk] and data["dry_run"] is False
+    [conflict] = data["conflicts"]
+    assert conflict["id"] == blocked.pk
+    assert "report:7" in conflict["reason"] and str(holder.pk) in conflict["reason"]
+    states = dict(Job.objects.values_list("pk", "state"))
+    assert states == {
+        first.pk: State.QUEUED,
+        blocked.pk: State.DEAD,
+        last.pk: State.QUEUED,
+        holder.pk: State.QUEUED,
+    }
+
+
+def test_the_text_output_names_each_conflict():
+    _, blocked, _, _ = three_dead_one_blocked()
+    out = run("requeue_dead", "--all")
+    assert "requeued 2 job(s)" in out
+    assert f"not requeued: job {blocked.pk}: its unique key 'report:7' is held by job" in out
+
+
+def test_when_every_job_conflicts_nothing_is_requeued_and_it_exits_1():
+    _, blocked, _, _ = three_dead_one_blocked()
+    assert exit_code("requeue_dead", str(blocked.pk)) == 1
+    assert exit_code("requeue_dead", str(blocked.pk), "--json") == 1
+    assert Job.objects.get(pk=blocked.pk).state == State.DEAD
+    # Two dead jobs with one key: the first is requeued, the second conflicts with it.
+    again = dead(unique_key="report:9")
+    Job.objects.filter(pk=again.pk).update(unique_key=None)
+    twin = dead(unique_key="report:9")
+    Job.objects.filter(pk=again.pk).update(unique_key="report:9")
+    data = run_json("requeue_dead", str(again.pk), str(twin.pk))
+    assert data["requeued"] == [again.pk]
+    assert [c["id"] for c in data["conflicts"]] == [twin.pk]
+
+
+def test_named_jobs_that_are_not_dead_are_conflicts_beside_the_requeued_ones():
+    gone = dead()
+    alive = engine.enqueue("test.echo")
+    data = run_json("requeue_dead", str(gone.pk), str(alive.pk))
+    assert data["requeued"] == [gone.pk]
+    assert data["conflicts"] == [
+        {"id": alive.pk, "reason": f"job {alive.pk} is queued, not dead: nothing to requeue"}
+    ]
+
+
+def test_the_api_requeues_per_job_and_is_409_only_when_nothing_was(client, write_token):
+    first, blocked, last, _ = three_dead_one_blocked()
+    response = call(client, "POST", "dead-jobs/requeue/", write_token, {"all": True})
+    assert response.status_code == 200, response.content
+    data = response.json()
+    assert data["requeued"] == [first.pk, last.pk] and data["dry_run"] is False
+    assert [c["id"] for c in data["conflicts"]] == [blocked.pk]
+
+    body = {"ids": [blocked.pk]}
+    response = call(client, "POST", "dead-jobs/requeue/", write_token, body)
+    assert response.status_code == 409, response.content
+    data = response.json()
+    assert data["code"] == "conflict" and "report:7" in data["error"]
+    assert data["requeued"] == [] and [c["id"] for c in data["conflicts"]] == [blocked.pk]
+    # The one-job endpoint says why, too.
+    response = call(client, "POST", f"jobs/{blocked.pk}/requeue/", write_token)
+    assert response.status_code == 409 and "report:7" in response.json()["error"]
+    assert Job.objects.get(pk=blocked.pk).state == State.DEAD
+
+
+def test_the_api_requeues_nothing_for_a_body_that_chooses_nothing(client, write_token, read_token):
+    job = dead()
+    response = call(client, "POST", "dead-jobs/requeue/", write_token, {})
+    assert response.status_code == 200
+    assert response.json() == {"requeued": [], "dry_run": False, "conflicts": []}
+    assert Job.objects.get(pk=job.pk).state == State.DEAD
+    response = call(client, "POST", "dead-jobs/requeue/", write_token, {"ids": [999999]})
+    assert response.status_code == 404
+    response = call(client, "POST", "dead-jobs/requeue/", read_token, {"all": True})
+    assert response.status_code == 403

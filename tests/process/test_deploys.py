@@ -1,0 +1,151 @@
+"""Deploys with running workers (PostgreSQL): a migration alters the engine's tables under
+three busy workers, and prepared statements become invalid under them. No worker exits,
+every job succeeds once, and no attempt is charged or failed for it (DESIGN §2, issue 12).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import pytest
+from django.db import connection
+
+from jobs import engine
+from jobs.models import Job, Lease
+from tests.process.helpers import job_summary
+from tests.support.workers import WorkerPool, wait_until
+from tests.testapp.models import Effect
+
+pytestmark = [pytest.mark.process, pytest.mark.postgres, pytest.mark.timeout(120)]
+
+JOBS = 90
+
+
+@pytest.fixture
+def restore_jobs_table(transactional_db: None) -> Iterator[None]:
+    """Undo the test's ALTER TABLEs, so later tests see the migrated schema."""
+    yield
+    with connection.cursor() as cursor:
+        cursor.execute("ALTER TABLE jobs_job DROP COLUMN IF EXISTS deploy_note")
+        cursor.execute("ALTER TABLE jobs_job ALTER COLUMN kind TYPE varchar(200)")
+
+
+def succeeded() -> int:
+    return Job.objects.filter(state="succeeded").count()
+
+
+def test_alter_table_under_three_busy_workers_charges_no_attempt(
+    workers: WorkerPool, restore_jobs_table: None
+) -> None:
+    # Both ways a job completes: settled by the worker's fused settle-and-claim statement
+    # (test.sleep returns), and inside the handler's own transaction (test.effect's
+    # ctx.atomic(complete=True)). Both run prepared statements.
+    ids = [job.pk for job in engine.enqueue_many("test.sleep", [{"seconds": 0.05}] * (JOBS // 2))]
+    ids += [job.pk for job in engine.enqueue_many("test.effect", [{"sleep": 0.05}] * (JOBS // 2))]
+    procs = [workers.start(f"deploy-{n}") for n in range(3)]
+
+    def describe() -> str:
+        return f"{job_summary(ids)}\n{workers.describe()}"
+
+    threshold = 10
+    for statement in (
+        "ALTER TABLE jobs_job ALTER COLUMN kind TYPE varchar(300)",  # changes the result type
+        "ALTER TABLE jobs_job ADD COLUMN deploy_note text",
+    ):
+        wait_until(
+            lambda t=threshold: succeeded() >= t,
+            40,
+            interval=0.05,
+            message=lambda s=statement: f"no progress before {s}\n{describe()}",
+        )
+        assert succeeded() < JOBS - 10, "the queue drained before the migration: add jobs"
+        with connection.cursor() as cursor:
+            cursor.execute(statement)
+        threshold = succeeded() + 15
+
+    wait_until(
+        lambda: succeeded() == JOBS,
+        60,
+        interval=0.1,
+        message=lambda: f"queue not drained after the migrations\n{describe()}",
+    )
+    assert all(proc.alive for proc in procs), workers.describe()
+    # The workers did meet the invalidated statements, and re-prepared.
+    assert any(proc.events("prepared_statement_replanned") for proc in procs), describe()
+    assert not any(proc.events("settlement_refused") for proc in procs), describe()
+    # Every job succeeded on its one charged attempt; no attempt was recorded as failed.
+    charged = list(Job.objects.filter(pk__in=ids).exclude(attempts=1).values_list("pk", "attempts"))
+    assert charged == [], describe()
+    assert not Lease.objects.filter(job_id__in=ids, outcome="failed").exists(), describe()
+    assert Lease.objects.filter(job_id__in=ids, outcome="succeeded").count() == JOBS
+    effects = Effect.objects.filter(label="complete")
+    assert effects.count() == JOBS // 2 and effects.values("job_id").distinct().count() == JOBS // 2
+
+    for proc in procs:
+        proc.terminate()
+    for proc in procs:
+        assert proc.wait_exit(timeout=15) == 0, proc.describe()
+
+
+@pytest.fixture
+def writable_again(transactional_db: None) -> Iterator[None]:
+    yield
+    with connection.cursor() as cursor:
+        cursor.execute(f'ALTER DATABASE "{connection.settings_dict["NAME"]}" RESET ALL')
+
+
+def terminate_other_sessions() -> None:
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+            "WHERE datname = current_database() AND pid <> pg_backend_pid()"
+        )
+
+
+def test_a_failover_under_busy_workers_charges_no_attempt(
+    workers: WorkerPool, writable_again: None
+) -> None:
+    """What workers see in a failover: their sessions end (the old primary goes away),
+    the next server refuses writes for a while (a standby not yet promoted, or a demoted
+    primary: read-only transactions), then one accepts them (the new primary)."""
+    # Leases (30 s) outlast the switch: an attempt charged here could only be the switch's.
+    sleeps = engine.enqueue_many("test.sleep", [{"seconds": 0.05}] * 30, lease_seconds=30)
+    effects = engine.enqueue_many("test.effect", [{"sleep": 0.05}] * 30, lease_seconds=30)
+    ids = [job.pk for job in [*sleeps, *effects]]
+    procs = [workers.start(f"failover-{n}") for n in range(3)]
+
+    def describe() -> str:
+        return f"{job_summary(ids)}\n{workers.describe()}"
+
+    wait_until(lambda: succeeded() >= 10, 40, interval=0.05, message=describe)
+    name = connection.settings_dict["NAME"]
+    with connection.cursor() as cursor:
+        cursor.execute(f'ALTER DATABASE "{name}" SET default_transaction_read_only = on')
+    terminate_other_sessions()
+    wait_until(
+        lambda: any(proc.events("database_unavailable") for proc in procs),
+        20,
+        interval=0.1,
+        message=describe,
+    )
+    progress = succeeded()
+    time.sleep(1.5)  # read-only: nothing can be claimed or completed
+    assert succeeded() == progress, describe()
+    with connection.cursor() as cursor:
+        cursor.execute(f'ALTER DATABASE "{name}" RESET default_transaction_read_only')
+    terminate_other_sessions()
+
+    wait_until(
+        lambda: succeeded() == len(ids),
+        60,
+        interval=0.1,
+        message=lambda: f"queue not drained after the failover\n{describe()}",
+    )
+    assert all(proc.alive for proc in procs), describe()
+    assert not any(proc.events("settlement_refused") for proc in procs), describe()
+    charged = list(Job.objects.filter(pk__in=ids).exclude(attempts=1).values_list("pk", "attempts"))
+    assert charged == [], describe()
+    assert not Lease.objects.filter(job_id__in=ids, outcome="failed").exists(), describe()
+    done = Effect.objects.filter(label="complete")
+    assert done.count() == 30 and done.values("job_id").distinct().count() == 30
