@@ -10,8 +10,9 @@ before every hop, redirects included (they are followed by hand, at most
 :data:`MAX_REDIRECTS`). Every connection, robots.txt's and every redirect's included, is
 made by IP to an address :mod:`ingestion.egress` allowed when it was resolved for that
 connection (no rebinding window): public addresses only, unless the source was added
-with ``--allow-private``. Bodies are streamed, decoded incrementally and abandoned past a
-byte cap counted on decoded bytes; a whole call has a total deadline.
+with ``--allow-private`` and the request is to its own host. Bodies are streamed,
+decoded incrementally and abandoned past a byte cap counted on decoded bytes; a whole
+call has a total deadline.
 
 ``get`` returns every HTTP status as a :class:`Response` (callers decide what a 304, 404
 or 503 means for them) and raises :class:`FetchError` only when no usable answer came:
@@ -211,9 +212,10 @@ class _PinnedBackend(httpcore.NetworkBackend):
             addresses = egress.resolve(host, port)
         except egress.ResolutionError as exc:
             raise FetchError(f"GET {self.deadline.url}: {exc}") from None
-        bad = egress.refused(addresses, self.source.allow_private)
+        private = egress.private_allowed(self.source.allow_private, self.source.url, host, port)
+        bad = egress.refused(addresses, private)
         if bad is not None:
-            raise _forbidden(self.source, self.deadline.url, host, bad)
+            raise _forbidden(self.source, self.deadline.url, host, bad, private)
         error: OSError | None = None
         for address in addresses:
             try:
@@ -575,15 +577,20 @@ def check_address(source: Source, url: str) -> None:
         addresses = egress.resolve(host, port)
     except egress.ResolutionError:
         return
-    bad = egress.refused(addresses, source.allow_private)
+    private = egress.private_allowed(source.allow_private, source.url, host, port)
+    bad = egress.refused(addresses, private)
     if bad is not None:
-        raise _forbidden(source, url, host, bad)
+        raise _forbidden(source, url, host, bad, private)
 
 
-def _forbidden(source: Source, url: str, host: str, address: IPAddress) -> ForbiddenAddress:
+def _forbidden(
+    source: Source, url: str, host: str, address: IPAddress, private: bool
+) -> ForbiddenAddress:
     log.warning("address_forbidden", source=source.name, url=url, address=str(address))
-    if source.allow_private:
-        why = "an address no source may reach (metadata, unspecified, multicast or reserved)"
+    if private:
+        why = "an address no source may reach (metadata, this network, multicast or reserved)"
+    elif source.allow_private:
+        why = "an internal address, and --allow-private covers the source's own host only"
     else:
         why = "an internal address (the source was not added with --allow-private)"
     return ForbiddenAddress(f"GET {url}: {host} resolves to {address}, {why}")
@@ -598,7 +605,7 @@ _other_hosts_lock = threading.Lock()
 
 def _origin(url: str) -> str:
     parts = urlsplit(url)
-    return f"{parts.scheme}://{parts.netloc}"
+    return f"{parts.scheme}://{parts.netloc.lower()}"  # host names have no case
 
 
 def _check_robots(client: httpx.Client, source: Source, url: str, deadline: Deadline) -> None:

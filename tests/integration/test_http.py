@@ -27,6 +27,7 @@ from ingestion.sources import add_source
 from jobs.exceptions import InvalidJob
 from jobs.models import Job, Lease, State
 from tests.process.helpers import job_summary
+from tests.support.pgcluster import free_port
 from tests.support.workers import WorkerPool, wait_until
 
 pytestmark = pytest.mark.django_db
@@ -271,6 +272,9 @@ def test_a_malformed_redirect_location_is_a_permanent_fetch_error(site, source, 
         ("0.0.0.0", False, False),  # unspecified: never
         ("::", False, False),
         ("::ffff:0.0.0.0", False, False),
+        ("0.0.0.1", False, False),  # "this network" (0/8): never, not only 0.0.0.0
+        ("0.1.2.3", False, False),
+        ("::ffff:0.1.2.3", False, False),
     ],
 )
 def test_the_address_policy_with_and_without_the_flag(address, public, with_flag):
@@ -353,6 +357,43 @@ def test_dns_rebinding_between_the_check_and_the_connection_is_refused(site, res
         http.get(public_source(site), f"http://docs.example:{site.port}/docs/a.html")
     assert site.requests == []
     assert resolver["lookups"].count("docs.example") >= 2
+
+
+def test_the_connection_judges_its_own_answer_even_without_the_early_check(
+    site, resolver, monkeypatch
+):
+    """The early check (``check_address``) is only the friendly answer: with it gone, the
+    connection's own lookup still refuses, and nothing reaches the server."""
+    monkeypatch.setattr(http, "check_address", lambda source, url: None)
+    resolver["docs.example"] = ["127.0.0.1"]
+    with pytest.raises(http.ForbiddenAddress):
+        http.get(public_source(site), f"http://docs.example:{site.port}/docs/a.html")
+    assert site.requests == []
+
+
+def test_allow_private_covers_the_source_own_host_only(site, resolver):
+    """An internal site's feed or sitemap, whose entries anyone may write, cannot send a
+    flagged source's workers to another internal host, nor to another port of its own."""
+    resolver["intranet.example"] = ["127.0.0.1"]
+    resolver["other.example"] = ["127.0.0.1"]
+    source = public_source(site, host="intranet.example")
+    Source.objects.filter(pk=source.pk).update(allow_private=True)
+    source.refresh_from_db()
+    assert http.get(source, f"http://INTRANET.example:{site.port}/docs/a.html").status == 200
+    site.requests.clear()
+    for url in [
+        f"http://other.example:{site.port}/docs/a.html",
+        f"http://127.0.0.1:{site.port}/docs/a.html",
+        f"http://localhost:{site.port}/docs/a.html",
+        f"http://intranet.example:{free_port()}/docs/a.html",
+    ]:
+        with pytest.raises(http.ForbiddenAddress) as refused:
+            http.get(source, url)
+        assert "own host only" in str(refused.value), url
+    site.redirects["/hop"] = f"http://localhost:{site.port}/docs/a.html"
+    with pytest.raises(http.ForbiddenAddress):
+        http.get(source, f"http://intranet.example:{site.port}/hop")
+    assert paths(site) == ["/hop"]
 
 
 def test_a_redirect_to_a_name_resolving_internal_is_refused(site, resolver):
