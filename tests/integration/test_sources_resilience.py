@@ -5,9 +5,11 @@ feeds, failing child sitemaps, listings that are the site's own fault, the blob 
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections.abc import Iterator
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 from django.db import connection
@@ -20,6 +22,7 @@ from ingestion.artifacts import FETCH_KIND
 from ingestion.discovery import start_discovery
 from ingestion.models import (
     Artifact,
+    ArtifactText,
     DiscoveryPage,
     DiscoveryRun,
     IngestedSubmission,
@@ -382,6 +385,47 @@ def test_gc_blobs_removes_only_unreferenced_old_blobs_and_stale_temporary_files(
     # Storing an old unreferenced blob again makes it young: a collection keeps it.
     again = blobs.store(b"nothing references me")
     assert run_json("gc_blobs")["removed"] == 0 and blobs.exists(again)
+
+
+def test_gc_blobs_keeps_a_blob_only_an_indexed_text_references(blob_dir, transactional_db):
+    source = Source.objects.create(
+        name="s", kind="sitemap", url="https://example.org/", schedule="@daily"
+    )
+    new_body = blobs.store(b"the body fetched since, not indexed yet")
+    indexed = blobs.store(b"the body the searchable text came from")
+    artifact = Artifact.objects.create(source=source, url="https://example.org/a", sha256=new_body)
+    ArtifactText.objects.create(artifact=artifact, title="t", text="x", sha256=indexed)
+    long_ago = time.time() - 3 * 86400
+    for digest in (new_body, indexed):
+        os.utime(blobs.path_for(digest), (long_ago, long_ago))
+    assert run_json("gc_blobs")["removed"] == 0
+    assert blobs.exists(new_body) and blobs.exists(indexed)
+
+
+def test_gc_blobs_racing_a_store_of_the_same_bytes_never_loses_the_blob(blob_dir, monkeypatch):
+    """A fetch stores bytes an old, unreferenced blob already holds (only its age is
+    refreshed) just as a collection is about to delete it: whoever goes first, the blob
+    is there when the store returns."""
+    data = b"an old body that a fetch is storing again"
+    digest = blobs.store(data)
+    long_ago = time.time() - 3 * 86400
+    os.utime(blobs.path_for(digest), (long_ago, long_ago))
+    real_unlink = Path.unlink
+    racing: list[threading.Thread] = []
+
+    def unlink(self: Path, missing_ok: bool = False) -> None:
+        if self.name == digest and not racing:  # the collection's last moment: a store now
+            racing.append(threading.Thread(target=blobs.store, args=(data,)))
+            racing[0].start()
+            racing[0].join(timeout=1.0)  # blocked on the shard lock, or done already
+        real_unlink(self, missing_ok=missing_ok)
+
+    monkeypatch.setattr(Path, "unlink", unlink)
+    monkeypatch.setattr(blobs, "references", [])
+    blobs.collect()
+    racing[0].join(timeout=10)
+    assert not racing[0].is_alive()
+    assert blobs.exists(digest) and blobs.read(digest) == data
 
 
 def test_new_shard_directories_are_fsynced_into_their_parents(blob_dir, monkeypatch):
