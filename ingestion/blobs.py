@@ -7,8 +7,8 @@ row committed is still reachable. A reader never sees a partial blob, and a cras
 at most a stray ``.tmp-*`` file, which :func:`collect` removes. Storing the same bytes
 twice is harmless (the second store finds the blob and only refreshes its mtime, which
 tells :func:`collect` it is in use; a lock on the shard directory keeps a collection from
-deleting it between the two, :func:`shard_lock`), which is what lets a retried spool batch upload its
-log excerpts again safely.
+deleting it between the two, :func:`shard_lock`), which is what lets a retried spool
+batch upload its log excerpts again safely.
 
 :func:`collect` (``manage.py gc_blobs``) deletes the blobs nothing references: no
 artifact's body, indexed text or spool submission's log excerpt. It never deletes a blob
