@@ -46,7 +46,7 @@ from jobs.exceptions import HoldfastError
 
 LASTMOD_LENGTH = 64
 FEED_ROOTS = ("feed", "rss", "rdf")
-URL_LENGTH = 2000
+URL_LENGTH = 2000  # bytes of UTF-8: the longest URL a listing may give (a longer one is skipped)
 
 
 class ListingError(HoldfastError, ValueError):
@@ -369,7 +369,12 @@ def absolute(base: str, url: str, malformed: list[str]) -> str:
     except ValueError:
         malformed.append(url.strip()[:URL_LENGTH])
         return ""
-    if parts.scheme not in ("http", "https") or not parts.hostname or len(joined) > URL_LENGTH:
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        return ""
+    if len(joined.encode("utf-8", errors="replace")) > URL_LENGTH:
+        # Counted in bytes: PostgreSQL cannot index a value over ~2,700 bytes, and 2,000
+        # characters of CJK are 6,000. One such entry must not make the page's commit fail.
+        malformed.append(url.strip()[:URL_LENGTH])
         return ""
     return joined
 

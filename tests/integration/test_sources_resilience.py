@@ -278,6 +278,28 @@ def test_a_listing_that_is_the_sites_fault_is_recorded_once_not_retried(site, ru
     assert "unknown encoding" in issue.details["error"] and issue.details["transient"] is False
 
 
+def test_a_url_too_long_to_index_is_skipped_and_the_page_is_read(site, run_worker):
+    """2,000 characters of CJK are 6,000 bytes: past what a PostgreSQL index takes. The
+    entry is skipped as malformed; the page, and the run, go on."""
+    long_url = site.url("/docs/" + "".join(chr(0x4E00 + (n * 7919) % 20000) for n in range(1960)))
+    assert len(long_url) <= 2000 < len(long_url.encode())
+    body = (
+        '<?xml version="1.0" encoding="UTF-8"?><urlset>'
+        f"<url><loc>{long_url}</loc></url><url><loc>{site.url('/docs/1.html')}</loc></url>"
+        "</urlset>"
+    ).encode()
+    site.replies["/long.xml"] = (200, "application/xml", body)
+    index = (
+        '<?xml version="1.0"?><sitemapindex>'
+        f"<sitemap><loc>{long_url}.xml</loc></sitemap>"
+        f"<sitemap><loc>{site.url('/long.xml')}</loc></sitemap></sitemapindex>"
+    ).encode()
+    site.replies["/long-index.xml"] = (200, "application/xml", index)
+    finished = discover(run_worker, make_source(site, "/long-index.xml"))
+    assert (finished.state, finished.pages, finished.failed_pages) == ("completed", 2, 0)
+    assert list(Artifact.objects.values_list("url", flat=True)) == [site.url("/docs/1.html")]
+
+
 def test_a_truncated_child_gives_its_urls_and_the_run_concludes_nothing_missing(site, run_worker):
     source = make_source(site)
     discover(run_worker, source)
