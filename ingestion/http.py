@@ -29,6 +29,7 @@ import ssl
 import threading
 import time
 import zlib
+from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -598,8 +599,12 @@ def _forbidden(
 
 # --- robots.txt ------------------------------------------------------------------------
 
-# robots.txt of hosts other than the source's own (a redirect elsewhere), per process.
-_other_hosts: dict[tuple[int, str], tuple[datetime, str]] = {}
+# robots.txt of hosts other than the source's own (a redirect elsewhere, a feed entry on
+# another host), per process, the most recently used :data:`OTHER_HOSTS_KEPT` only: a feed
+# naming a new host per entry, each with 512 KiB of robots.txt, must not grow a worker
+# without bound.
+OTHER_HOSTS_KEPT = 256
+_other_hosts: OrderedDict[tuple[int, str], tuple[datetime, str]] = OrderedDict()
 _other_hosts_lock = threading.Lock()
 
 
@@ -642,11 +647,16 @@ def _other_robots(client: httpx.Client, source: Source, origin: str, deadline: D
     key = (source.pk, origin)
     with _other_hosts_lock:
         cached = _other_hosts.get(key)
+        if cached is not None:
+            _other_hosts.move_to_end(key)
     if cached is not None and _fresh(cached[0]):
         return cached[1]
     text = _fetch_robots(client, source, origin, deadline)
     with _other_hosts_lock:
         _other_hosts[key] = (timezone.now(), text)
+        _other_hosts.move_to_end(key)
+        while len(_other_hosts) > OTHER_HOSTS_KEPT:
+            _other_hosts.popitem(last=False)
     return text
 
 

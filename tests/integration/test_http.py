@@ -110,6 +110,26 @@ def test_robots_txt_is_fetched_again_after_a_day_and_by_other_processes_copy(sit
     assert paths(site).count("/robots.txt") == 2
 
 
+def test_robots_txt_of_other_hosts_is_kept_for_the_most_recent_hosts_only(source, monkeypatch):
+    """A feed naming a new host per entry (each with a big robots.txt) must not grow a
+    worker without bound: other hosts' robots.txt is kept for the latest few only."""
+    monkeypatch.setattr(http, "OTHER_HOSTS_KEPT", 3)
+    monkeypatch.setattr(http, "_other_hosts", http.OrderedDict())
+    fetched: list[str] = []
+    monkeypatch.setattr(
+        http, "_fetch_robots", lambda client, source, origin, deadline: fetched.append(origin)
+    )
+    deadline = http.Deadline(30, "x")
+    for origin in ["http://h0.example", "http://h1.example", "http://h0.example"] + [
+        f"http://h{n}.example" for n in range(2, 6)
+    ]:
+        http._other_robots(None, source, origin, deadline)
+    assert [origin for _, origin in http._other_hosts] == [
+        f"http://h{n}.example" for n in (3, 4, 5)
+    ]
+    assert fetched.count("http://h0.example") == 1  # the cache still serves the hosts it keeps
+
+
 def test_a_missing_robots_txt_allows_everything(site, source):
     site.robots_txt = None
     assert http.get(source, site.url("/private/page.html")).status == 200
