@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import gzip
 import socket
+import ssl
+import subprocess
 import threading
 import time
 import tracemalloc
 import zlib
 from collections.abc import Iterator
 from datetime import timedelta
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from ipaddress import ip_address
 from itertools import pairwise
 
@@ -631,3 +634,65 @@ def test_spacing_holds_across_two_workers_discovering_and_fetching(site, worker_
     assert len(requests) == 1 + 3 + 6  # robots.txt, the index and 2 sitemaps, 6 documents
     gaps = [later.time - earlier.time for earlier, later in pairwise(requests)]
     assert min(gaps) >= spacing - 0.1, gaps
+
+
+@pytest.fixture
+def tls_site(tmp_path):
+    """An HTTPS server on 127.0.0.1 with a self-signed certificate for docs.example; it
+    records the SNI names it was asked for."""
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2",
+         "-keyout", str(key), "-out", str(cert), "-subj", "/CN=docs.example",
+         "-addext", "subjectAltName=DNS:docs.example"],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    names: list[str | None] = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            body = b"over tls" if self.path != "/robots.txt" else b""
+            self.send_response(200 if body else 404)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(cert, key)
+    context.sni_callback = lambda sock, name, ctx: names.append(name)
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server.socket = context.wrap_socket(server.socket, server_side=True)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield server.server_address[1], cert, names
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_https_connects_by_ip_with_the_host_name_for_sni_and_the_certificate(
+    tls_site, resolver, monkeypatch
+):
+    """The pinned connection still does TLS as the URL's host: SNI is the name, and the
+    certificate is checked against the name (not the IP connected to)."""
+    port, cert, names = tls_site
+    monkeypatch.setattr(
+        http.httpx, "create_ssl_context", lambda **kw: ssl.create_default_context(cafile=cert)
+    )
+    resolver["docs.example"] = ["127.0.0.1"]
+    resolver["other.example"] = ["127.0.0.1"]
+    for host in ("docs.example", "other.example"):
+        Source.objects.create(
+            name=host, kind="sitemap", url=f"https://{host}:{port}/sitemap.xml",
+            schedule="0 3 * * *", spacing_seconds=0, allow_private=True,
+        )  # fmt: skip
+    response = http.get(Source.objects.get(name="docs.example"), f"https://docs.example:{port}/x")
+    assert (response.status, response.body) == (200, b"over tls")
+    assert set(names) == {"docs.example"}
+    with pytest.raises(http.FetchError) as refused:  # the certificate does not name it
+        http.get(Source.objects.get(name="other.example"), f"https://other.example:{port}/x")
+    assert "certificate" in str(refused.value).lower() or "hostname" in str(refused.value)
