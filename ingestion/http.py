@@ -421,7 +421,16 @@ def _read_body(response: httpx.Response, url: str, cap: int, truncate: bool) -> 
                 return False
         return True
 
+    wire = 0
     for chunk in response.iter_raw(CHUNK_BYTES):
+        wire += len(chunk)
+        if stages and wire > cap + cap // 8 + CHUNK_BYTES:
+            # More on the wire than any body under the cap needs, even incompressible
+            # data; what decodes to little or nothing (a stream of empty gzip members)
+            # must not hold the worker until the deadline.
+            if truncate:
+                return bytes(body[:cap])
+            raise TooLarge(f"GET {url}: encoded body is over the {cap}-byte cap; abandoned")
         if not feed(chunk, 0):
             return bytes(body[:cap])
     for level, stage in enumerate(stages):

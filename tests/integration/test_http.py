@@ -5,6 +5,7 @@ and spacing within and across processes."""
 from __future__ import annotations
 
 import gzip
+import os
 import socket
 import ssl
 import subprocess
@@ -496,6 +497,20 @@ def test_stacked_gzip_is_capped_on_decoded_bytes(site, source, settings):
     assert refused.value.transient is False and "cap" in str(refused.value)
     assert peak < 32 * 1024 * 1024, peak
     assert time.monotonic() - started < 10
+
+
+def test_an_encoded_body_that_decodes_to_nothing_is_capped_on_the_wire(site, source, settings):
+    """Empty gzip members decode to nothing: without a bound on the wire the worker would
+    read them until the deadline."""
+    settings.HOLDFAST_FETCH_MAX_BYTES = 256 * 1024
+    empty = gzip.compress(b"")
+    site.raw["/empties"] = _raw_reply(["gzip"], empty * (4 * 1024 * 1024 // len(empty)))
+    with pytest.raises(http.TooLarge) as refused:
+        http.get(source, site.url("/empties"))
+    assert "encoded body" in str(refused.value)
+    incompressible = os.urandom(200 * 1024)  # gzip makes it a little bigger: still read
+    site.raw["/random"] = _raw_reply(["gzip"], gzip.compress(incompressible))
+    assert http.get(source, site.url("/random")).body == incompressible
 
 
 def test_stacked_encodings_are_decoded_in_order(site, source):
