@@ -160,13 +160,22 @@ def _inflated(body: bytes, url: str) -> bytes:
     if not body.startswith(b"\x1f\x8b"):
         return body
     cap = settings.HOLDFAST_FETCH_MAX_BYTES
-    try:
-        inflated = zlib.decompressobj(16 + zlib.MAX_WBITS).decompress(body, cap + 1)
-    except zlib.error as exc:
-        raise ListingError(f"{url}: broken gzip data ({exc})") from None
+    inflated = bytearray()
+    rest = body
+    while rest.lstrip(b"\x00") and len(inflated) <= cap:  # every member of the file
+        decoder = zlib.decompressobj(16 + zlib.MAX_WBITS)
+        try:
+            inflated += decoder.decompress(rest, cap + 1 - len(inflated))
+        except zlib.error as exc:
+            if inflated:
+                break  # what follows the first member is not gzip: keep what was read
+            raise ListingError(f"{url}: broken gzip data ({exc})") from None
+        if not decoder.eof:
+            break  # truncated, or stopped at the cap
+        rest = decoder.unused_data
     if len(inflated) > cap:
         raise ListingError(f"{url}: inflates to more than {cap} bytes")
-    return inflated
+    return bytes(inflated)
 
 
 # --- XML sitemaps ------------------------------------------------------------------------
