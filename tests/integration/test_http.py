@@ -534,6 +534,31 @@ def test_a_one_byte_per_second_body_is_stopped_at_the_deadline(site, source, set
     assert 1.5 < took < 6, took
 
 
+def test_the_deadline_spans_a_chain_of_slow_redirects_and_slow_headers(site, source, settings):
+    """Each hop answers within the per-read timeout, its headers a line at a time; the
+    deadline is the whole call's, so the chain is cut off there."""
+    settings.HOLDFAST_FETCH_DEADLINE_SECONDS = 2
+    settings.HOLDFAST_FETCH_TIMEOUT_SECONDS = 20
+
+    def slow_hop(n: int):
+        def answer(handler) -> None:
+            handler.wfile.write(b"HTTP/1.1 302 Found\r\n")
+            for line in (f"Location: /hop{n + 1}", "Content-Length: 0", ""):
+                handler.wfile.flush()
+                time.sleep(0.25)
+                handler.wfile.write(line.encode() + b"\r\n")
+
+        return answer
+
+    for n in range(5):
+        site.raw[f"/hop{n}"] = slow_hop(n)
+    started = time.monotonic()
+    with pytest.raises(http.FetchError) as failed:
+        http.get(source, site.url("/hop0"))
+    assert "deadline of 2 s" in str(failed.value), failed.value
+    assert time.monotonic() - started < 6
+
+
 def test_add_source_refuses_a_private_address_at_once_naming_it(resolver):
     resolver["intranet.example"] = ["10.0.0.8"]
     with pytest.raises(InvalidJob) as refused:
