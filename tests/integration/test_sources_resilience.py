@@ -127,6 +127,41 @@ def test_the_failure_backoff_doubles_up_to_a_day():
     ]  # fmt: skip
 
 
+@pytest.mark.parametrize("reply", ["403", "too large"])
+def test_a_permanent_failure_of_a_fetched_document_keeps_it_searchable(
+    site, run_worker, settings, reply
+):
+    """Only a 404/410 says a document is gone: a 403 or an oversized body on a refresh
+    kills the job and opens ``permanent_fetch_failure``, but the last good body stays
+    fetched and searchable, retried with the failure backoff; a good fetch resolves it."""
+    source = make_source(site)
+    discover(run_worker, source)
+    doc = Artifact.objects.get(url=site.url("/docs/1.html"))
+    body = doc.sha256
+    if reply == "403":
+        site.replies["/docs/1.html"] = (403, "text/plain", b"no")
+    else:
+        site.replies["/docs/1.html"] = (200, "text/html", b"<p>x</p>" * 100_000)
+        settings.HOLDFAST_FETCH_MAX_BYTES = 100_000
+    enqueue(FETCH_KIND, {"artifact_id": doc.pk}, unique_key=f"fetch:{doc.pk}")
+    run_worker()
+    job = Job.objects.filter(kind=FETCH_KIND, args__artifact_id=doc.pk).latest("pk")
+    assert job.state == State.DEAD
+    doc.refresh_from_db()
+    assert (doc.state, doc.sha256, doc.failures) == ("fetched", body, 1)
+    assert timezone.now() + timedelta(minutes=50) < doc.refresh_after
+    assert doc.url in urls_found("lighthouse")
+    [issue] = issues(IssueKind.PERMANENT_FETCH_FAILURE, doc.url, "open")
+    del site.replies["/docs/1.html"]
+    settings.HOLDFAST_FETCH_MAX_BYTES = 10 * 1024 * 1024
+    enqueue(FETCH_KIND, {"artifact_id": doc.pk}, unique_key=f"fetch:{doc.pk}")
+    run_worker()
+    doc.refresh_from_db()
+    assert (doc.state, doc.failures) == ("fetched", 0)
+    issue.refresh_from_db()
+    assert issue.status == "resolved"
+
+
 def test_a_failed_artifact_the_source_still_lists_is_fetched_again_by_discovery(site, run_worker):
     source = make_source(site)
     site.replies["/docs/2.html"] = (403, "text/plain", b"no")
