@@ -6,8 +6,9 @@ directory it had to create is fsynced into its parent too, so after a crash a bl
 row committed is still reachable. A reader never sees a partial blob, and a crash leaves
 at most a stray ``.tmp-*`` file, which :func:`collect` removes. Storing the same bytes
 twice is harmless (the second store finds the blob and only refreshes its mtime, which
-tells :func:`collect` it is in use), which is what lets a retried spool batch upload its
-log excerpts again safely.
+tells :func:`collect` it is in use; a lock on the shard directory keeps a collection from
+deleting it between the two, :func:`shard_lock`), which is what lets a retried spool
+batch upload its log excerpts again safely.
 
 :func:`collect` (``manage.py gc_blobs``) deletes the blobs nothing references: no
 artifact's body, indexed text or spool submission's log excerpt. It never deletes a blob
@@ -18,11 +19,12 @@ fetch, a spool apply in progress) is safe.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import os
 import tempfile
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -53,23 +55,39 @@ def store(data: bytes, base: Path | None = None) -> str:
     """Keep ``data`` durably under its sha256 and return the digest (hex)."""
     digest = hashlib.sha256(data).hexdigest()
     target = path_for(digest, base)
-    if target.is_file() and target.stat().st_size == len(data):
-        with contextlib.suppress(PermissionError):  # a store another user owns
-            os.utime(target)  # in use again: a collection running now must keep it
-        return digest
     _make_dirs(target.parent)
-    fd, tmp_name = tempfile.mkstemp(prefix=".tmp-", dir=target.parent)
-    try:
-        with os.fdopen(fd, "wb") as tmp:
-            tmp.write(data)
-            tmp.flush()
-            os.fsync(tmp.fileno())
-        os.replace(tmp_name, target)
-    except BaseException:
-        Path(tmp_name).unlink(missing_ok=True)
-        raise
-    fsync_dir(target.parent)
+    with shard_lock(target.parent, exclusive=False):
+        if target.is_file() and target.stat().st_size == len(data):
+            with contextlib.suppress(PermissionError):  # a store another user owns
+                os.utime(target)  # in use again: a collection running now must keep it
+            return digest
+        fd, tmp_name = tempfile.mkstemp(prefix=TMP_PREFIX, dir=target.parent)
+        try:
+            with os.fdopen(fd, "wb") as tmp:
+                tmp.write(data)
+                tmp.flush()
+                os.fsync(tmp.fileno())
+            os.replace(tmp_name, target)
+        except BaseException:
+            Path(tmp_name).unlink(missing_ok=True)
+            raise
+        fsync_dir(target.parent)
     return digest
+
+
+@contextlib.contextmanager
+def shard_lock(directory: Path, *, exclusive: bool) -> Iterator[None]:
+    """An advisory lock on a shard directory (``flock``, across processes): storing holds
+    it shared from "is the blob there?" to its rename, :func:`collect` exclusive from its
+    last look at a blob's age to the unlink. So a store that finds an old blob and only
+    refreshes its age cannot have it deleted under it: either the collection removed it
+    first (and the store writes it afresh) or it sees the new age and keeps it."""
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
 
 
 def _make_dirs(directory: Path) -> None:
@@ -179,13 +197,14 @@ def _collect_one(
         report.young += 1
         return False
     if not report.dry_run:
-        try:
-            if now - entry.stat().st_mtime <= min_age.total_seconds():
-                report.young += 1  # stored again since the walk started
+        with shard_lock(entry.parent, exclusive=True):  # no store between look and unlink
+            try:
+                if now - entry.stat().st_mtime <= min_age.total_seconds():
+                    report.young += 1  # stored again since the walk started
+                    return False
+            except FileNotFoundError:
                 return False
-        except FileNotFoundError:
-            return False
-        entry.unlink(missing_ok=True)
+            entry.unlink()
     report.removed += 1
     report.removed_bytes += stat.st_size
     if len(report.examples) < 10:

@@ -8,17 +8,26 @@ that changes between a check and the connection (rebinding) therefore cannot sen
 worker anywhere the check did not see.
 
 Without ``allow_private`` a source reaches public addresses only. With it (``add_source
---allow-private``, for an operator's own hosts) loopback, private, shared and link-local
-addresses are allowed too; cloud metadata, unspecified, multicast and reserved addresses
-never are.
+--allow-private``, for an operator's own host) loopback, private, shared and link-local
+addresses are allowed too, but only for the source's own host (:func:`own_host`): the
+host name of its URL, on its port or 80/443. A listing, feed entry or redirect that
+names any other host is judged as public-only, so an internal site's feed, whose
+entries anyone may write, cannot point workers at the rest of the network. Cloud
+metadata, "this network" (``0.0.0.0/8``), multicast and reserved addresses are never
+allowed.
 """
 
 from __future__ import annotations
 
 import ipaddress
 import socket
+from urllib.parse import urlsplit
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
+
+#: RFC 1122 "this host on this network": never a destination (Linux connects 0.0.0.0 to
+#: the local host, and newer kernels route the rest of 0/8).
+THIS_NETWORK = ipaddress.ip_network("0.0.0.0/8")
 
 #: Instance metadata services (AWS, GCP, Azure, OpenStack: 169.254.169.254; AWS IPv6;
 #: Alibaba Cloud), refused even to sources allowed private addresses.
@@ -93,6 +102,7 @@ def never_allowed(address: IPAddress) -> bool:
         return True
     return (
         address in METADATA
+        or (isinstance(address, ipaddress.IPv4Address) and address in THIS_NETWORK)
         or address.is_unspecified
         or address.is_multicast
         or (address.is_reserved and not address.is_loopback)
@@ -104,6 +114,31 @@ def address_allowed(address: IPAddress, allow_private: bool) -> bool:
     if never_allowed(address):
         return False
     return allow_private or is_public(address)
+
+
+def _normal_host(host: str) -> str:
+    return host.strip("[]").rstrip(".").lower()
+
+
+def own_host(source_url: str, host: str, port: int) -> bool:
+    """Whether ``host:port`` is the host of ``source_url`` (same name, compared without
+    case or a final dot; on the URL's port, or 80 or 443 for a change of scheme)."""
+    parts = urlsplit(source_url)
+    try:
+        own_port = parts.port or (443 if parts.scheme == "https" else 80)
+    except ValueError:
+        return False
+    return (
+        bool(parts.hostname)
+        and _normal_host(host) == _normal_host(parts.hostname or "")
+        and (port in (own_port, 80, 443))
+    )
+
+
+def private_allowed(allow_private: bool, source_url: str, host: str, port: int) -> bool:
+    """Whether a request to ``host:port`` may reach internal addresses: only with the
+    source's flag, and only on the source's own host (:func:`own_host`)."""
+    return allow_private and own_host(source_url, host, port)
 
 
 def refused(addresses: list[IPAddress], allow_private: bool) -> IPAddress | None:

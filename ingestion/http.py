@@ -10,8 +10,9 @@ before every hop, redirects included (they are followed by hand, at most
 :data:`MAX_REDIRECTS`). Every connection, robots.txt's and every redirect's included, is
 made by IP to an address :mod:`ingestion.egress` allowed when it was resolved for that
 connection (no rebinding window): public addresses only, unless the source was added
-with ``--allow-private``. Bodies are streamed, decoded incrementally and abandoned past a
-byte cap counted on decoded bytes; a whole call has a total deadline.
+with ``--allow-private`` and the request is to its own host. Bodies are streamed,
+decoded incrementally and abandoned past a byte cap counted on decoded bytes; a whole
+call has a total deadline.
 
 ``get`` returns every HTTP status as a :class:`Response` (callers decide what a 304, 404
 or 503 means for them) and raises :class:`FetchError` only when no usable answer came:
@@ -28,6 +29,7 @@ import ssl
 import threading
 import time
 import zlib
+from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -211,9 +213,10 @@ class _PinnedBackend(httpcore.NetworkBackend):
             addresses = egress.resolve(host, port)
         except egress.ResolutionError as exc:
             raise FetchError(f"GET {self.deadline.url}: {exc}") from None
-        bad = egress.refused(addresses, self.source.allow_private)
+        private = egress.private_allowed(self.source.allow_private, self.source.url, host, port)
+        bad = egress.refused(addresses, private)
         if bad is not None:
-            raise _forbidden(self.source, self.deadline.url, host, bad)
+            raise _forbidden(self.source, self.deadline.url, host, bad, private)
         error: OSError | None = None
         for address in addresses:
             try:
@@ -418,7 +421,16 @@ def _read_body(response: httpx.Response, url: str, cap: int, truncate: bool) -> 
                 return False
         return True
 
+    wire = 0
     for chunk in response.iter_raw(CHUNK_BYTES):
+        wire += len(chunk)
+        if stages and wire > cap + cap // 8 + CHUNK_BYTES:
+            # More on the wire than any body under the cap needs, even incompressible
+            # data; what decodes to little or nothing (a stream of empty gzip members)
+            # must not hold the worker until the deadline.
+            if truncate:
+                return bytes(body[:cap])
+            raise TooLarge(f"GET {url}: encoded body is over the {cap}-byte cap; abandoned")
         if not feed(chunk, 0):
             return bytes(body[:cap])
     for level, stage in enumerate(stages):
@@ -575,15 +587,20 @@ def check_address(source: Source, url: str) -> None:
         addresses = egress.resolve(host, port)
     except egress.ResolutionError:
         return
-    bad = egress.refused(addresses, source.allow_private)
+    private = egress.private_allowed(source.allow_private, source.url, host, port)
+    bad = egress.refused(addresses, private)
     if bad is not None:
-        raise _forbidden(source, url, host, bad)
+        raise _forbidden(source, url, host, bad, private)
 
 
-def _forbidden(source: Source, url: str, host: str, address: IPAddress) -> ForbiddenAddress:
+def _forbidden(
+    source: Source, url: str, host: str, address: IPAddress, private: bool
+) -> ForbiddenAddress:
     log.warning("address_forbidden", source=source.name, url=url, address=str(address))
-    if source.allow_private:
-        why = "an address no source may reach (metadata, unspecified, multicast or reserved)"
+    if private:
+        why = "an address no source may reach (metadata, this network, multicast or reserved)"
+    elif source.allow_private:
+        why = "an internal address, and --allow-private covers the source's own host only"
     else:
         why = "an internal address (the source was not added with --allow-private)"
     return ForbiddenAddress(f"GET {url}: {host} resolves to {address}, {why}")
@@ -591,14 +608,18 @@ def _forbidden(source: Source, url: str, host: str, address: IPAddress) -> Forbi
 
 # --- robots.txt ------------------------------------------------------------------------
 
-# robots.txt of hosts other than the source's own (a redirect elsewhere), per process.
-_other_hosts: dict[tuple[int, str], tuple[datetime, str]] = {}
+# robots.txt of hosts other than the source's own (a redirect elsewhere, a feed entry on
+# another host), per process, the most recently used :data:`OTHER_HOSTS_KEPT` only: a feed
+# naming a new host per entry, each with 512 KiB of robots.txt, must not grow a worker
+# without bound.
+OTHER_HOSTS_KEPT = 256
+_other_hosts: OrderedDict[tuple[int, str], tuple[datetime, str]] = OrderedDict()
 _other_hosts_lock = threading.Lock()
 
 
 def _origin(url: str) -> str:
     parts = urlsplit(url)
-    return f"{parts.scheme}://{parts.netloc}"
+    return f"{parts.scheme}://{parts.netloc.lower()}"  # host names have no case
 
 
 def _check_robots(client: httpx.Client, source: Source, url: str, deadline: Deadline) -> None:
@@ -635,11 +656,16 @@ def _other_robots(client: httpx.Client, source: Source, origin: str, deadline: D
     key = (source.pk, origin)
     with _other_hosts_lock:
         cached = _other_hosts.get(key)
+        if cached is not None:
+            _other_hosts.move_to_end(key)
     if cached is not None and _fresh(cached[0]):
         return cached[1]
     text = _fetch_robots(client, source, origin, deadline)
     with _other_hosts_lock:
         _other_hosts[key] = (timezone.now(), text)
+        _other_hosts.move_to_end(key)
+        while len(_other_hosts) > OTHER_HOSTS_KEPT:
+            _other_hosts.popitem(last=False)
     return text
 
 

@@ -46,7 +46,7 @@ from jobs.exceptions import HoldfastError
 
 LASTMOD_LENGTH = 64
 FEED_ROOTS = ("feed", "rss", "rdf")
-URL_LENGTH = 2000
+URL_LENGTH = 2000  # bytes of UTF-8: the longest URL a listing may give (a longer one is skipped)
 
 
 class ListingError(HoldfastError, ValueError):
@@ -160,13 +160,22 @@ def _inflated(body: bytes, url: str) -> bytes:
     if not body.startswith(b"\x1f\x8b"):
         return body
     cap = settings.HOLDFAST_FETCH_MAX_BYTES
-    try:
-        inflated = zlib.decompressobj(16 + zlib.MAX_WBITS).decompress(body, cap + 1)
-    except zlib.error as exc:
-        raise ListingError(f"{url}: broken gzip data ({exc})") from None
+    inflated = bytearray()
+    rest = body
+    while rest.lstrip(b"\x00") and len(inflated) <= cap:  # every member of the file
+        decoder = zlib.decompressobj(16 + zlib.MAX_WBITS)
+        try:
+            inflated += decoder.decompress(rest, cap + 1 - len(inflated))
+        except zlib.error as exc:
+            if inflated:
+                break  # what follows the first member is not gzip: keep what was read
+            raise ListingError(f"{url}: broken gzip data ({exc})") from None
+        if not decoder.eof:
+            break  # truncated, or stopped at the cap
+        rest = decoder.unused_data
     if len(inflated) > cap:
         raise ListingError(f"{url}: inflates to more than {cap} bytes")
-    return inflated
+    return bytes(inflated)
 
 
 # --- XML sitemaps ------------------------------------------------------------------------
@@ -369,7 +378,12 @@ def absolute(base: str, url: str, malformed: list[str]) -> str:
     except ValueError:
         malformed.append(url.strip()[:URL_LENGTH])
         return ""
-    if parts.scheme not in ("http", "https") or not parts.hostname or len(joined) > URL_LENGTH:
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        return ""
+    if len(joined.encode("utf-8", errors="replace")) > URL_LENGTH:
+        # Counted in bytes: PostgreSQL cannot index a value over ~2,700 bytes, and 2,000
+        # characters of CJK are 6,000. One such entry must not make the page's commit fail.
+        malformed.append(url.strip()[:URL_LENGTH])
         return ""
     return joined
 

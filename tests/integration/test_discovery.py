@@ -48,6 +48,20 @@ def test_a_sitemap_index_lists_its_sitemaps_and_a_sitemap_its_urls():
     ]
 
 
+def test_a_gzipped_sitemap_file_is_read_member_by_member_and_capped(settings):
+    """A .xml.gz of several gzip members (concatenated files) is read whole; one that
+    inflates past the fetch cap is refused without inflating it all."""
+    head = b'<urlset xmlns="http://www.sitemaps.org/schemas/sitemap/0.9">'
+    first = head + b"<url><loc>https://example.org/a</loc></url>"
+    second = b"<url><loc>https://example.org/b</loc></url></urlset>"
+    listing = parse_listing(gzip.compress(first) + gzip.compress(second), f"{BASE}/s.xml.gz")
+    assert [item.url for item in listing.items] == [f"{BASE}/a", f"{BASE}/b"]
+    settings.HOLDFAST_FETCH_MAX_BYTES = 1024 * 1024
+    bomb = gzip.compress(head + b" " * (64 * 1024 * 1024) + b"</urlset>", 9)
+    with pytest.raises(ListingError, match="inflates to more than"):
+        parse_listing(gzip.compress(b"") + bomb, f"{BASE}/bomb.xml.gz")
+
+
 def test_feeds_list_entries_and_their_rfc5005_next_page():
     atom = (
         b'<feed xmlns="http://www.w3.org/2005/Atom"><title>t</title>'

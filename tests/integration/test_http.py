@@ -5,13 +5,17 @@ and spacing within and across processes."""
 from __future__ import annotations
 
 import gzip
+import os
 import socket
+import ssl
+import subprocess
 import threading
 import time
 import tracemalloc
 import zlib
 from collections.abc import Iterator
 from datetime import timedelta
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from ipaddress import ip_address
 from itertools import pairwise
 
@@ -27,6 +31,7 @@ from ingestion.sources import add_source
 from jobs.exceptions import InvalidJob
 from jobs.models import Job, Lease, State
 from tests.process.helpers import job_summary
+from tests.support.pgcluster import free_port
 from tests.support.workers import WorkerPool, wait_until
 
 pytestmark = pytest.mark.django_db
@@ -107,6 +112,26 @@ def test_robots_txt_is_fetched_again_after_a_day_and_by_other_processes_copy(sit
     with pytest.raises(http.RobotsDisallowed):
         http.get(source, site.url("/docs/a.html"))
     assert paths(site).count("/robots.txt") == 2
+
+
+def test_robots_txt_of_other_hosts_is_kept_for_the_most_recent_hosts_only(source, monkeypatch):
+    """A feed naming a new host per entry (each with a big robots.txt) must not grow a
+    worker without bound: other hosts' robots.txt is kept for the latest few only."""
+    monkeypatch.setattr(http, "OTHER_HOSTS_KEPT", 3)
+    monkeypatch.setattr(http, "_other_hosts", http.OrderedDict())
+    fetched: list[str] = []
+    monkeypatch.setattr(
+        http, "_fetch_robots", lambda client, source, origin, deadline: fetched.append(origin)
+    )
+    deadline = http.Deadline(30, "x")
+    for origin in ["http://h0.example", "http://h1.example", "http://h0.example"] + [
+        f"http://h{n}.example" for n in range(2, 6)
+    ]:
+        http._other_robots(None, source, origin, deadline)
+    assert [origin for _, origin in http._other_hosts] == [
+        f"http://h{n}.example" for n in (3, 4, 5)
+    ]
+    assert fetched.count("http://h0.example") == 1  # the cache still serves the hosts it keeps
 
 
 def test_a_missing_robots_txt_allows_everything(site, source):
@@ -271,6 +296,9 @@ def test_a_malformed_redirect_location_is_a_permanent_fetch_error(site, source, 
         ("0.0.0.0", False, False),  # unspecified: never
         ("::", False, False),
         ("::ffff:0.0.0.0", False, False),
+        ("0.0.0.1", False, False),  # "this network" (0/8): never, not only 0.0.0.0
+        ("0.1.2.3", False, False),
+        ("::ffff:0.1.2.3", False, False),
     ],
 )
 def test_the_address_policy_with_and_without_the_flag(address, public, with_flag):
@@ -355,6 +383,43 @@ def test_dns_rebinding_between_the_check_and_the_connection_is_refused(site, res
     assert resolver["lookups"].count("docs.example") >= 2
 
 
+def test_the_connection_judges_its_own_answer_even_without_the_early_check(
+    site, resolver, monkeypatch
+):
+    """The early check (``check_address``) is only the friendly answer: with it gone, the
+    connection's own lookup still refuses, and nothing reaches the server."""
+    monkeypatch.setattr(http, "check_address", lambda source, url: None)
+    resolver["docs.example"] = ["127.0.0.1"]
+    with pytest.raises(http.ForbiddenAddress):
+        http.get(public_source(site), f"http://docs.example:{site.port}/docs/a.html")
+    assert site.requests == []
+
+
+def test_allow_private_covers_the_source_own_host_only(site, resolver):
+    """An internal site's feed or sitemap, whose entries anyone may write, cannot send a
+    flagged source's workers to another internal host, nor to another port of its own."""
+    resolver["intranet.example"] = ["127.0.0.1"]
+    resolver["other.example"] = ["127.0.0.1"]
+    source = public_source(site, host="intranet.example")
+    Source.objects.filter(pk=source.pk).update(allow_private=True)
+    source.refresh_from_db()
+    assert http.get(source, f"http://INTRANET.example:{site.port}/docs/a.html").status == 200
+    site.requests.clear()
+    for url in [
+        f"http://other.example:{site.port}/docs/a.html",
+        f"http://127.0.0.1:{site.port}/docs/a.html",
+        f"http://localhost:{site.port}/docs/a.html",
+        f"http://intranet.example:{free_port()}/docs/a.html",
+    ]:
+        with pytest.raises(http.ForbiddenAddress) as refused:
+            http.get(source, url)
+        assert "own host only" in str(refused.value), url
+    site.redirects["/hop"] = f"http://localhost:{site.port}/docs/a.html"
+    with pytest.raises(http.ForbiddenAddress):
+        http.get(source, f"http://intranet.example:{site.port}/hop")
+    assert paths(site) == ["/hop"]
+
+
 def test_a_redirect_to_a_name_resolving_internal_is_refused(site, resolver):
     resolver["docs.example"] = ["127.0.0.1"]
     resolver["evil.example"] = ["127.0.0.1"]
@@ -434,6 +499,20 @@ def test_stacked_gzip_is_capped_on_decoded_bytes(site, source, settings):
     assert time.monotonic() - started < 10
 
 
+def test_an_encoded_body_that_decodes_to_nothing_is_capped_on_the_wire(site, source, settings):
+    """Empty gzip members decode to nothing: without a bound on the wire the worker would
+    read them until the deadline."""
+    settings.HOLDFAST_FETCH_MAX_BYTES = 256 * 1024
+    empty = gzip.compress(b"")
+    site.raw["/empties"] = _raw_reply(["gzip"], empty * (4 * 1024 * 1024 // len(empty)))
+    with pytest.raises(http.TooLarge) as refused:
+        http.get(source, site.url("/empties"))
+    assert "encoded body" in str(refused.value)
+    incompressible = os.urandom(200 * 1024)  # gzip makes it a little bigger: still read
+    site.raw["/random"] = _raw_reply(["gzip"], gzip.compress(incompressible))
+    assert http.get(source, site.url("/random")).body == incompressible
+
+
 def test_stacked_encodings_are_decoded_in_order(site, source):
     body = b"deflated then gzipped " * 100
     wire = gzip.compress(zlib.compress(body))
@@ -453,6 +532,31 @@ def test_a_one_byte_per_second_body_is_stopped_at_the_deadline(site, source, set
     assert failed.value.transient is True
     assert "deadline of 2 s" in str(failed.value)
     assert 1.5 < took < 6, took
+
+
+def test_the_deadline_spans_a_chain_of_slow_redirects_and_slow_headers(site, source, settings):
+    """Each hop answers within the per-read timeout, its headers a line at a time; the
+    deadline is the whole call's, so the chain is cut off there."""
+    settings.HOLDFAST_FETCH_DEADLINE_SECONDS = 2
+    settings.HOLDFAST_FETCH_TIMEOUT_SECONDS = 20
+
+    def slow_hop(n: int):
+        def answer(handler) -> None:
+            handler.wfile.write(b"HTTP/1.1 302 Found\r\n")
+            for line in (f"Location: /hop{n + 1}", "Content-Length: 0", ""):
+                handler.wfile.flush()
+                time.sleep(0.25)
+                handler.wfile.write(line.encode() + b"\r\n")
+
+        return answer
+
+    for n in range(5):
+        site.raw[f"/hop{n}"] = slow_hop(n)
+    started = time.monotonic()
+    with pytest.raises(http.FetchError) as failed:
+        http.get(source, site.url("/hop0"))
+    assert "deadline of 2 s" in str(failed.value), failed.value
+    assert time.monotonic() - started < 6
 
 
 def test_add_source_refuses_a_private_address_at_once_naming_it(resolver):
@@ -570,3 +674,65 @@ def test_spacing_holds_across_two_workers_discovering_and_fetching(site, worker_
     assert len(requests) == 1 + 3 + 6  # robots.txt, the index and 2 sitemaps, 6 documents
     gaps = [later.time - earlier.time for earlier, later in pairwise(requests)]
     assert min(gaps) >= spacing - 0.1, gaps
+
+
+@pytest.fixture
+def tls_site(tmp_path):
+    """An HTTPS server on 127.0.0.1 with a self-signed certificate for docs.example; it
+    records the SNI names it was asked for."""
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2",
+         "-keyout", str(key), "-out", str(cert), "-subj", "/CN=docs.example",
+         "-addext", "subjectAltName=DNS:docs.example"],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    names: list[str | None] = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            body = b"over tls" if self.path != "/robots.txt" else b""
+            self.send_response(200 if body else 404)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(cert, key)
+    context.sni_callback = lambda sock, name, ctx: names.append(name)
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server.socket = context.wrap_socket(server.socket, server_side=True)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield server.server_address[1], cert, names
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_https_connects_by_ip_with_the_host_name_for_sni_and_the_certificate(
+    tls_site, resolver, monkeypatch
+):
+    """The pinned connection still does TLS as the URL's host: SNI is the name, and the
+    certificate is checked against the name (not the IP connected to)."""
+    port, cert, names = tls_site
+    monkeypatch.setattr(
+        http.httpx, "create_ssl_context", lambda **kw: ssl.create_default_context(cafile=cert)
+    )
+    resolver["docs.example"] = ["127.0.0.1"]
+    resolver["other.example"] = ["127.0.0.1"]
+    for host in ("docs.example", "other.example"):
+        Source.objects.create(
+            name=host, kind="sitemap", url=f"https://{host}:{port}/sitemap.xml",
+            schedule="0 3 * * *", spacing_seconds=0, allow_private=True,
+        )  # fmt: skip
+    response = http.get(Source.objects.get(name="docs.example"), f"https://docs.example:{port}/x")
+    assert (response.status, response.body) == (200, b"over tls")
+    assert set(names) == {"docs.example"}
+    with pytest.raises(http.FetchError) as refused:  # the certificate does not name it
+        http.get(Source.objects.get(name="other.example"), f"https://other.example:{port}/x")
+    assert "certificate" in str(refused.value).lower() or "hostname" in str(refused.value)

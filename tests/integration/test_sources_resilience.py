@@ -5,9 +5,11 @@ feeds, failing child sitemaps, listings that are the site's own fault, the blob 
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections.abc import Iterator
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 from django.db import connection
@@ -20,6 +22,7 @@ from ingestion.artifacts import FETCH_KIND
 from ingestion.discovery import start_discovery
 from ingestion.models import (
     Artifact,
+    ArtifactText,
     DiscoveryPage,
     DiscoveryRun,
     IngestedSubmission,
@@ -122,6 +125,41 @@ def test_the_failure_backoff_doubles_up_to_a_day():
     assert [artifacts.failure_backoff(n).total_seconds() / 3600 for n in (1, 2, 3, 5, 6, 40)] == [
         1, 2, 4, 16, 24, 24,
     ]  # fmt: skip
+
+
+@pytest.mark.parametrize("reply", ["403", "too large"])
+def test_a_permanent_failure_of_a_fetched_document_keeps_it_searchable(
+    site, run_worker, settings, reply
+):
+    """Only a 404/410 says a document is gone: a 403 or an oversized body on a refresh
+    kills the job and opens ``permanent_fetch_failure``, but the last good body stays
+    fetched and searchable, retried with the failure backoff; a good fetch resolves it."""
+    source = make_source(site)
+    discover(run_worker, source)
+    doc = Artifact.objects.get(url=site.url("/docs/1.html"))
+    body = doc.sha256
+    if reply == "403":
+        site.replies["/docs/1.html"] = (403, "text/plain", b"no")
+    else:
+        site.replies["/docs/1.html"] = (200, "text/html", b"<p>x</p>" * 100_000)
+        settings.HOLDFAST_FETCH_MAX_BYTES = 100_000
+    enqueue(FETCH_KIND, {"artifact_id": doc.pk}, unique_key=f"fetch:{doc.pk}")
+    run_worker()
+    job = Job.objects.filter(kind=FETCH_KIND, args__artifact_id=doc.pk).latest("pk")
+    assert job.state == State.DEAD
+    doc.refresh_from_db()
+    assert (doc.state, doc.sha256, doc.failures) == ("fetched", body, 1)
+    assert timezone.now() + timedelta(minutes=50) < doc.refresh_after
+    assert doc.url in urls_found("lighthouse")
+    [issue] = issues(IssueKind.PERMANENT_FETCH_FAILURE, doc.url, "open")
+    del site.replies["/docs/1.html"]
+    settings.HOLDFAST_FETCH_MAX_BYTES = 10 * 1024 * 1024
+    enqueue(FETCH_KIND, {"artifact_id": doc.pk}, unique_key=f"fetch:{doc.pk}")
+    run_worker()
+    doc.refresh_from_db()
+    assert (doc.state, doc.failures) == ("fetched", 0)
+    issue.refresh_from_db()
+    assert issue.status == "resolved"
 
 
 def test_a_failed_artifact_the_source_still_lists_is_fetched_again_by_discovery(site, run_worker):
@@ -275,6 +313,28 @@ def test_a_listing_that_is_the_sites_fault_is_recorded_once_not_retried(site, ru
     assert "unknown encoding" in issue.details["error"] and issue.details["transient"] is False
 
 
+def test_a_url_too_long_to_index_is_skipped_and_the_page_is_read(site, run_worker):
+    """2,000 characters of CJK are 6,000 bytes: past what a PostgreSQL index takes. The
+    entry is skipped as malformed; the page, and the run, go on."""
+    long_url = site.url("/docs/" + "".join(chr(0x4E00 + (n * 7919) % 20000) for n in range(1960)))
+    assert len(long_url) <= 2000 < len(long_url.encode())
+    body = (
+        '<?xml version="1.0" encoding="UTF-8"?><urlset>'
+        f"<url><loc>{long_url}</loc></url><url><loc>{site.url('/docs/1.html')}</loc></url>"
+        "</urlset>"
+    ).encode()
+    site.replies["/long.xml"] = (200, "application/xml", body)
+    index = (
+        '<?xml version="1.0"?><sitemapindex>'
+        f"<sitemap><loc>{long_url}.xml</loc></sitemap>"
+        f"<sitemap><loc>{site.url('/long.xml')}</loc></sitemap></sitemapindex>"
+    ).encode()
+    site.replies["/long-index.xml"] = (200, "application/xml", index)
+    finished = discover(run_worker, make_source(site, "/long-index.xml"))
+    assert (finished.state, finished.pages, finished.failed_pages) == ("completed", 2, 0)
+    assert list(Artifact.objects.values_list("url", flat=True)) == [site.url("/docs/1.html")]
+
+
 def test_a_truncated_child_gives_its_urls_and_the_run_concludes_nothing_missing(site, run_worker):
     source = make_source(site)
     discover(run_worker, source)
@@ -382,6 +442,47 @@ def test_gc_blobs_removes_only_unreferenced_old_blobs_and_stale_temporary_files(
     # Storing an old unreferenced blob again makes it young: a collection keeps it.
     again = blobs.store(b"nothing references me")
     assert run_json("gc_blobs")["removed"] == 0 and blobs.exists(again)
+
+
+def test_gc_blobs_keeps_a_blob_only_an_indexed_text_references(blob_dir, transactional_db):
+    source = Source.objects.create(
+        name="s", kind="sitemap", url="https://example.org/", schedule="@daily"
+    )
+    new_body = blobs.store(b"the body fetched since, not indexed yet")
+    indexed = blobs.store(b"the body the searchable text came from")
+    artifact = Artifact.objects.create(source=source, url="https://example.org/a", sha256=new_body)
+    ArtifactText.objects.create(artifact=artifact, title="t", text="x", sha256=indexed)
+    long_ago = time.time() - 3 * 86400
+    for digest in (new_body, indexed):
+        os.utime(blobs.path_for(digest), (long_ago, long_ago))
+    assert run_json("gc_blobs")["removed"] == 0
+    assert blobs.exists(new_body) and blobs.exists(indexed)
+
+
+def test_gc_blobs_racing_a_store_of_the_same_bytes_never_loses_the_blob(blob_dir, monkeypatch):
+    """A fetch stores bytes an old, unreferenced blob already holds (only its age is
+    refreshed) just as a collection is about to delete it: whoever goes first, the blob
+    is there when the store returns."""
+    data = b"an old body that a fetch is storing again"
+    digest = blobs.store(data)
+    long_ago = time.time() - 3 * 86400
+    os.utime(blobs.path_for(digest), (long_ago, long_ago))
+    real_unlink = Path.unlink
+    racing: list[threading.Thread] = []
+
+    def unlink(self: Path, missing_ok: bool = False) -> None:
+        if self.name == digest and not racing:  # the collection's last moment: a store now
+            racing.append(threading.Thread(target=blobs.store, args=(data,)))
+            racing[0].start()
+            racing[0].join(timeout=1.0)  # blocked on the shard lock, or done already
+        real_unlink(self, missing_ok=missing_ok)
+
+    monkeypatch.setattr(Path, "unlink", unlink)
+    monkeypatch.setattr(blobs, "references", [])
+    blobs.collect()
+    racing[0].join(timeout=10)
+    assert not racing[0].is_alive()
+    assert blobs.exists(digest) and blobs.read(digest) == data
 
 
 def test_new_shard_directories_are_fsynced_into_their_parents(blob_dir, monkeypatch):

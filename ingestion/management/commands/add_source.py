@@ -34,8 +34,9 @@ class Command(JobsCommand):
         parser.add_argument(
             "--allow-private",
             action="store_true",
-            help="let this source reach loopback, private and link-local addresses (your own"
-            " hosts); metadata, multicast and unspecified addresses stay refused",
+            help="let this source's own host (the URL's host name) be at a loopback, private"
+            " or link-local address (your own host); other hosts it names stay public-only,"
+            " and metadata, multicast and unspecified addresses stay refused",
         )
 
     def handle(self, *args: Any, **options: Any) -> None:
