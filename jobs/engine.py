@@ -13,6 +13,7 @@ import json
 import os
 import socket
 import time
+from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -736,6 +737,8 @@ def reclaim_expired(limit: int = 500) -> list[int]:
             )
             JobLock.objects.filter(job_id=pk, lease_token=token).delete()
             sql.count_attempt(kind, Outcome.LEASE_EXPIRED, pk, token)  # the metrics' counter
+            if spent:
+                sql.count_jobs({(lane, State.DEAD): 1})
             _event(pk, "heartbeat_missed", token, leased_by or "", last_heartbeat_at=beat)
             _event(pk, "reclaimed", token, leased_by or "", expired_at=expiry, state=new_state)
             reclaimed.append(pk)
@@ -788,6 +791,7 @@ def requeue_dead(jobs: Sequence[Job], actor: str = "operator") -> list[int]:
     budget grows by the handler's ``max_attempts`` from the attempts spent so far.
     """
     requeued: list[int] = []
+    out_of_dead: Counter[tuple[str, str]] = Counter()
     with transaction.atomic():
         for job in jobs:
             budget = _requeue_budget(job.kind)
@@ -802,7 +806,9 @@ def requeue_dead(jobs: Sequence[Job], actor: str = "operator") -> list[int]:
             if matched == 1:
                 _event(job.pk, "requeued", by=actor)
                 requeued.append(job.pk)
+                out_of_dead[(job.lane, State.DEAD)] -= 1
                 log.info("job_requeued", job_id=job.pk, kind=job.kind, lane=job.lane, by=actor)
+        sql.count_jobs(out_of_dead)
         if requeued:
             _notify_lanes({job.lane for job in jobs if job.pk in requeued})
     return requeued
@@ -825,6 +831,7 @@ def cancel(job_id: int, actor: str = "operator") -> Job:
             updated_at=Now(),
         ):
             job = get_job(job_id)
+            sql.count_jobs({(job.lane, State.CANCELLED): 1})
             _event(job_id, "cancelled", by=actor)
             log.info("job_cancelled", job_id=job_id, kind=job.kind, lane=job.lane, by=actor)
             return job
