@@ -48,7 +48,7 @@ from jobs.retry import RetryPolicy
 
 from . import blobs
 from .grants import ingester_database
-from .models import IngestedSubmission, IssueKind, Lab, ReconciliationIssue
+from .models import IngestedSubmission, IssueKind, IssueStatus, Lab, ReconciliationIssue
 from .reconciliation import record
 from .sql import AckWrite, FactWrite, insert_acks, upsert_facts
 from .submissions import InvalidSubmission, Limits, Submission, parse
@@ -199,7 +199,15 @@ class Entry:
     identity: tuple[int, int]  # (st_dev, st_ino): unlink or move only the file we read
     submission: Submission | None = None
     stage: str = ""
-    error: str = ""
+    error: str = ""  # one line: the first error, and how many more
+    errors: list[str] = field(default_factory=list)  # every error, up to a bound
+    error_count: int = 0
+
+    @property
+    def reasons(self) -> dict[str, Any]:
+        """Why the file is quarantined, for its ``.reason.json`` and its issue."""
+        errors = self.errors or [self.error]
+        return {"errors": errors, "error_count": max(self.error_count, len(errors))}
 
     @property
     def fact_count(self) -> int:
@@ -232,7 +240,15 @@ def read_entry(spool: Spool, name: str, limits: Limits) -> Entry | None:
     try:
         submission = parse(raw, limits, digest)
     except InvalidSubmission as exc:
-        return Entry(name, digest, identity, stage=exc.stage, error=exc.message)
+        return Entry(
+            name,
+            digest,
+            identity,
+            stage=exc.stage,
+            error=exc.message,
+            errors=exc.errors,
+            error_count=exc.count,
+        )
     if submission.excerpt is not None:
         submission.excerpt_hash = blobs.store(submission.excerpt)
         submission.excerpt = None  # stored: no need to carry it to the writer
@@ -327,16 +343,28 @@ def _quarantine_issue(entry: Entry, using: str) -> int:
     It commits on the ingester's own connection, in the batch's transaction.
     """
     kind = IssueKind.QUARANTINED_SUBMISSION
-    existing = (
-        ReconciliationIssue.objects.using(using)
-        .filter(kind=kind, subject=entry.name, details__hash=entry.hash)
-        .values_list("pk", flat=True)
-        .first()
+    same = ReconciliationIssue.objects.using(using).filter(
+        kind=kind, subject=entry.name, details__hash=entry.hash
     )
+    existing = same.filter(status=IssueStatus.OPEN).values_list("pk", flat=True).first()
     if existing is not None:
         return existing
-    details = {"hash": entry.hash, "stage": entry.stage, "error": entry.error}
-    return record(kind, entry.name, details=details, using=using).pk
+    details = {"hash": entry.hash, "stage": entry.stage, "error": entry.error, **entry.reasons}
+    # The same bytes again after their issue was resolved: a new open issue (record() logs
+    # it), pointing at the one resolved before.
+    earlier = same.order_by("-pk").values_list("pk", flat=True).first()
+    if earlier is not None:
+        details["earlier_issue"] = earlier
+    issue = record(kind, entry.name, details=details, using=using)
+    if earlier is not None:
+        log.warning(
+            "submission_quarantined_again",
+            file=entry.name,
+            hash=entry.hash,
+            issue_id=issue.pk,
+            earlier_issue=earlier,
+        )
+    return issue.pk
 
 
 # --- finishing files after the commit -------------------------------------------------
@@ -378,6 +406,7 @@ def quarantine(spool: Spool, entry: Entry, issue_id: int | None) -> Path | None:
     reason = {
         "file": entry.name,
         "error": entry.error,
+        **entry.reasons,
         "stage": entry.stage,
         "hash": entry.hash,
         "quarantined_at": datetime.now(UTC).isoformat().replace("+00:00", "Z"),

@@ -116,13 +116,27 @@ class Limits:
         )
 
 
-class InvalidSubmission(Exception):
-    """The submission itself is wrong (``stage``: limits, json, schema or semantic)."""
+#: A quarantine reason lists at most this many validation errors (each cut to
+#: ``MAX_ERROR_CHARS``) and says how many there were in all.
+MAX_REPORTED_ERRORS = 50
+MAX_ERROR_CHARS = 500
 
-    def __init__(self, stage: str, message: str) -> None:
+
+class InvalidSubmission(Exception):
+    """The submission itself is wrong (``stage``: limits, json, schema or semantic).
+
+    ``message`` is one line (the first error, and how many more); ``errors`` lists them
+    all up to ``MAX_REPORTED_ERRORS`` and ``count`` says how many there were.
+    """
+
+    def __init__(
+        self, stage: str, message: str, errors: list[str] | None = None, count: int = 1
+    ) -> None:
         super().__init__(f"{stage}: {message}")
         self.stage = stage
         self.message = message
+        self.errors = errors if errors is not None else [message]
+        self.count = count
 
 
 @dataclass(frozen=True)
@@ -199,6 +213,10 @@ def parse_time(text: str) -> datetime:
     return moment.astimezone(UTC)
 
 
+def _cut(text: str) -> str:
+    return text if len(text) <= MAX_ERROR_CHARS else text[: MAX_ERROR_CHARS - 1] + "…"
+
+
 def parse(raw: bytes, limits: Limits, hash: str | None = None) -> Submission:
     """Judge ``raw`` (a whole file); return the submission or raise InvalidSubmission."""
     if len(raw) > limits.max_file_bytes:
@@ -220,12 +238,16 @@ def parse(raw: bytes, limits: Limits, hash: str | None = None) -> Submission:
         else sorted(_validator.iter_errors(document), key=lambda e: list(e.absolute_path))
     )
     if errors:
-        first = errors[0]
-        where = "$" + "".join(
-            f"[{p}]" if isinstance(p, int) else f".{p}" for p in first.absolute_path
-        )
+        located = [
+            _cut(
+                "$"
+                + "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in error.absolute_path)
+                + f": {error.message}"
+            )
+            for error in errors[:MAX_REPORTED_ERRORS]
+        ]
         more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
-        raise InvalidSubmission("schema", f"{where}: {first.message}{more}")
+        raise InvalidSubmission("schema", f"{located[0]}{more}", located, len(errors))
 
     facts = document["facts"]
     if len(facts) > limits.max_facts:
