@@ -184,19 +184,26 @@ class ProgressLine:
 
 
 class ProgressEvents:
-    """``ingest_progress`` log events for logs that are not a terminal: one every
-    ``interval`` seconds while running, and a final summary (``final=True``)."""
+    """``ingest_progress`` log events for logs that are not a terminal: at most one every
+    ``interval`` seconds while running, only when a count changed since the last one (an
+    idle ingester logs nothing), and a final summary (``final=True``)."""
+
+    COUNTS = ("seen", "applied", "duplicates", "quarantined", "pending")
 
     def __init__(self, interval: float = 10.0, clock: Callable[[], float] = time.monotonic) -> None:
         self.interval = interval
         self.clock = clock
         self.last = clock()
+        self.logged: tuple[Any, ...] = (0,) * len(self.COUNTS)  # nothing, at the start
 
     def update(self, figures: dict[str, Any]) -> None:
         now = self.clock()
         if now - self.last < self.interval:
             return
-        self.last = now
+        counts = tuple(figures.get(name, 0) for name in self.COUNTS)
+        if counts == self.logged:
+            return
+        self.last, self.logged = now, counts
         log.info("ingest_progress", **figures, final=False)
 
     def finish(self, figures: dict[str, Any]) -> None:
