@@ -4,6 +4,7 @@ Nothing here needs editing to run Holdfast: every knob is an environment variabl
 safe default, so a fresh clone runs on the embedded SQLite database under ``var/``.
 """
 
+import math
 import os
 import secrets
 from datetime import timedelta
@@ -19,11 +20,19 @@ BASE_DIR = Path(__file__).resolve().parent.parent
 VAR_DIR = Path(os.environ.get("HOLDFAST_VAR_DIR", BASE_DIR / "var"))
 
 
+TRUE_WORDS, FALSE_WORDS = {"1", "true", "yes", "on"}, {"0", "false", "no", "off"}
+
+
 def env_bool(name: str, default: bool = False) -> bool:
+    """A flag; anything but the usual words is a configuration error, so a typo in, say,
+    HOLDFAST_BEHIND_TLS_PROXY never silently turns a protection off."""
     value = os.environ.get(name)
-    if value is None or value == "":
+    if value is None or value.strip() == "":
         return default
-    return value.strip().lower() in {"1", "true", "yes", "on"}
+    word = value.strip().lower()
+    if word not in TRUE_WORDS | FALSE_WORDS:
+        raise ImproperlyConfigured(f"{name} must be 1/true/yes/on or 0/false/no/off, got {value!r}")
+    return word in TRUE_WORDS
 
 
 def env_number(name: str, default: float) -> float:
@@ -34,6 +43,8 @@ def env_number(name: str, default: float) -> float:
         number = float(value)
     except ValueError:
         raise ImproperlyConfigured(f"{name} must be a number, got {value!r}") from None
+    if not math.isfinite(number):
+        raise ImproperlyConfigured(f"{name} must be a finite number, got {value!r}")
     if number < 0:
         raise ImproperlyConfigured(f"{name} must not be negative, got {value!r}")
     return number

@@ -5,7 +5,11 @@
 Everything comes from the environment, like the rest of Holdfast's settings.
 """
 
+import logging
 import os
+import sys
+
+import structlog
 
 bind = os.environ.get("HOLDFAST_API_BIND", "127.0.0.1:8000")
 workers = int(os.environ.get("HOLDFAST_API_WORKERS", "2"))
@@ -23,3 +27,46 @@ forwarded_allow_ips = os.environ.get("HOLDFAST_PROXY_IPS", "127.0.0.1,::1")
 accesslog = None
 errorlog = "-"
 loglevel = os.environ.get("LOG_LEVEL", "info").lower()
+
+
+def _formatter() -> logging.Formatter:
+    """gunicorn's own lines (start, worker boots and timeouts, bad requests) rendered like
+    every other Holdfast line: JSON unless LOG_FORMAT=console (jobs/log.py), so
+    `journalctl -u holdfast-api -o cat | jq` reads the whole log."""
+    fmt = os.environ.get("LOG_FORMAT") or ("console" if sys.stderr.isatty() else "json")
+    renderer = (
+        structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())
+        if fmt == "console"
+        else structlog.processors.JSONRenderer()
+    )
+    return structlog.stdlib.ProcessorFormatter(
+        processors=[
+            structlog.stdlib.ProcessorFormatter.remove_processors_meta,
+            structlog.processors.format_exc_info,
+            renderer,
+        ],
+        foreign_pre_chain=[
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            structlog.stdlib.add_logger_name,
+        ],
+    )
+
+
+logconfig_dict = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "formatters": {"structlog": {"()": _formatter}},
+    "handlers": {
+        "stderr": {
+            "class": "logging.StreamHandler",
+            "stream": "ext://sys.stderr",
+            "formatter": "structlog",
+        }
+    },
+    "root": {"handlers": ["stderr"], "level": loglevel.upper()},
+    "loggers": {
+        "gunicorn.error": {"handlers": ["stderr"], "level": loglevel.upper(), "propagate": False},
+        "gunicorn.access": {"handlers": [], "level": "INFO", "propagate": False},
+    },
+}

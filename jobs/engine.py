@@ -924,6 +924,7 @@ def requeue_each(
                     )
                     if matched == 1:
                         _event(job.pk, "requeued", by=actor)
+                        sql.count_jobs({(job.lane, State.DEAD): -1})  # out of the dead count
             except IntegrityError:  # a live job took the key since we looked
                 holder_job = _active_by_key([key]).get(key) if key else None
                 held_by = f"job {holder_job.pk} ({holder_job.state})" if holder_job else "a job"
@@ -990,6 +991,7 @@ def _cancel(job_id: int, actor: str) -> Job:
         updated_at=Now(),
     ):
         job = get_job(job_id)
+        sql.count_jobs({(job.lane, State.CANCELLED): 1})
         _event(job_id, "cancelled", by=actor)
         log.info("job_cancelled", job_id=job_id, kind=job.kind, lane=job.lane, by=actor)
         return job

@@ -264,3 +264,31 @@ class AttemptCount(models.Model):
 
     def __str__(self) -> str:
         return f"{self.count} {self.kind} attempts {self.outcome} (bucket {self.bucket})"
+
+
+class JobCount(models.Model):
+    """How many jobs of a lane are in a finished state (succeeded, dead, cancelled) now:
+    what ``queue_status`` and the metrics' ``holdfast_jobs`` report for those states, read
+    without scanning the finished history.
+
+    Every transition into or out of a finished state adds its +1 or -1 here in its own
+    transaction (settle in ``jobs.sql``; reclaim to dead, cancel of a queued job, requeue
+    of a dead job in ``jobs.engine``; pruning in ``jobs.retention``), so the sum over
+    ``shard`` equals ``count(*)`` of the lane's rows in that state. ``shard`` (the backend's
+    pid modulo ``ATTEMPT_COUNT_SHARDS``) keeps concurrent settles off each other's row
+    locks; a shard's own count may go below zero, only the sum means anything.
+    ``manage.py recount_jobs`` rebuilds the rows from ``jobs_job``.
+    """
+
+    lane = models.CharField(max_length=100)
+    state = models.CharField(max_length=16, choices=State.choices)
+    shard = models.PositiveSmallIntegerField(default=0)
+    count = models.BigIntegerField(default=0)
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["lane", "state", "shard"], name="job_count_key")
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.count} {self.state} jobs in lane {self.lane} (shard {self.shard})"

@@ -6,11 +6,13 @@ deletes with them) are deleted a set time after they finished.
 ``HOLDFAST_RETAIN_SUCCEEDED``, ``HOLDFAST_RETAIN_CANCELLED`` and ``HOLDFAST_RETAIN_DEAD``.
 Deletes go in batches, each its own short transaction, oldest first; queued and running
 jobs are never touched. The metrics' counters (``jobs_attemptcount``) are not job rows:
-pruning never lowers them.
+pruning never lowers them; each batch takes its jobs off the finished jobs' counts
+(``jobs_jobcount``) in its own transaction.
 """
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Mapping
 from datetime import timedelta
 
@@ -18,6 +20,7 @@ from django.conf import settings
 from django.db import transaction
 from django.db.models.functions import Now
 
+from . import sql
 from .log import get_logger
 from .models import FINISHED_STATES, Job, State
 
@@ -60,15 +63,22 @@ def prune(
         while max_batches is None or batches < max_batches:
             with transaction.atomic():
                 # SKIP LOCKED (PostgreSQL): two schedulers pruning at once split the rows.
-                ids = list(
+                rows = list(
                     old.select_for_update(skip_locked=True)
                     .order_by("finished_at")
-                    .values_list("pk", flat=True)[:batch]
+                    .values_list("lane", "pk")[:batch]
                 )
-                if not ids:
+                if not rows:
                     break
-                Job.objects.filter(pk__in=ids, state=state).delete()
-            found[state] += len(ids)
+                by_lane: dict[str, list[int]] = defaultdict(list)
+                for lane, pk in rows:
+                    by_lane[lane].append(pk)
+                gone: dict[tuple[str, str], int] = {}
+                for lane, ids in by_lane.items():
+                    _, deleted = Job.objects.filter(pk__in=ids, state=state).delete()
+                    gone[(lane, state)] = -deleted.get(Job._meta.label, 0)
+                sql.count_jobs(gone)  # the finished jobs' counts, in the same transaction
+            found[state] -= sum(gone.values())
             batches += 1
     return found
 

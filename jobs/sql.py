@@ -26,6 +26,7 @@ Everything else in the engine is ORM.
 from __future__ import annotations
 
 import json
+from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -149,7 +150,8 @@ SELECT greatest(0, extract(epoch FROM statement_timestamp() - acquired_at))::flo
 FROM jobs_lease WHERE job_id = %(job_id)s::bigint AND lease_token = %(token)s::bigint"""
 
 # The settle, as CTEs: fenced by state and lease token; the lease row, the lock release,
-# the event and the attempt counter (metrics) are written only if the job row was.
+# the event, the attempt counter (metrics) and, into a finished state, the lane's count of
+# jobs in that state (jobs_jobcount) are written only if the job row was.
 PG_SETTLE_CTES = f"""
 settled AS (
     UPDATE jobs_job SET
@@ -190,6 +192,11 @@ settled AS (
     FROM settled CROSS JOIN ({PG_ATTEMPT_SECONDS}) AS took
     ON CONFLICT (kind, outcome, bucket, shard) DO UPDATE SET
         count = jobs_attemptcount.count + 1, seconds = jobs_attemptcount.seconds + EXCLUDED.seconds
+), finished_count AS (
+    INSERT INTO jobs_jobcount (lane, state, shard, count)
+    SELECT %(lane)s::text, %(state)s::text, mod(pg_backend_pid(), {SHARDS}), 1
+    FROM settled WHERE %(state)s::text <> 'queued'
+    ON CONFLICT (lane, state, shard) DO UPDATE SET count = jobs_jobcount.count + 1
 )"""
 
 PG_CLAIM = f"""
@@ -333,6 +340,37 @@ def count_attempt(kind: str, outcome: str, job_id: int, lease_token: int) -> Non
     }
     with connection.cursor() as cursor:
         cursor.execute(statement, params)
+
+
+# The finished jobs' counts (jobs_jobcount): add ``delta`` jobs of (lane, state), in the
+# transaction of the transitions they count.
+COUNT_JOBS = """
+INSERT INTO jobs_jobcount (lane, state, shard, count)
+VALUES (%(lane)s, %(state)s, {shard}, %(delta)s)
+ON CONFLICT (lane, state, shard) DO UPDATE SET count = jobs_jobcount.count + excluded.count
+"""
+
+
+def count_jobs(deltas: Mapping[tuple[str, str], int]) -> None:
+    """Add ``deltas`` ((lane, state) → jobs in or out of that finished state) to the
+    finished jobs' counts, in the caller's transaction."""
+    shard = f"mod(pg_backend_pid(), {SHARDS})" if is_postgres() else "0"
+    rows: list[dict[str, Any]] = [
+        {"lane": lane, "state": state, "delta": delta}
+        for (lane, state), delta in sorted(deltas.items())
+        if delta
+    ]
+    if rows:
+        with connection.cursor() as cursor:
+            cursor.executemany(COUNT_JOBS.format(shard=shard), rows)
+
+
+def lock_job_counts() -> None:
+    """PostgreSQL, in the caller's transaction: hold off every writer of the finished
+    jobs' counts until it ends (a recount). SQLite's write transaction already does."""
+    if is_postgres():
+        with connection.cursor() as cursor:
+            cursor.execute("LOCK TABLE jobs_jobcount IN EXCLUSIVE MODE")
 
 
 SQLITE_SETTLE_LEASE = f"""
@@ -616,6 +654,14 @@ WITH expired AS (
     ON CONFLICT (kind, outcome, bucket, shard) DO UPDATE SET
         count = jobs_attemptcount.count + EXCLUDED.count,
         seconds = jobs_attemptcount.seconds + EXCLUDED.seconds
+), finished_count AS (
+    INSERT INTO jobs_jobcount (lane, state, shard, count)
+    SELECT lane, state, mod(pg_backend_pid(), {SHARDS}), count(*)
+    FROM reclaimed WHERE state <> 'queued'
+    GROUP BY lane, state
+    ORDER BY lane, state
+    ON CONFLICT (lane, state, shard) DO UPDATE SET
+        count = jobs_jobcount.count + EXCLUDED.count
 ), logged AS (
     INSERT INTO jobs_jobevent (job_id, at, event, lease_token, worker_id, data)
     SELECT reclaimed.id, statement_timestamp(), e.event, reclaimed.lease_token,
@@ -772,6 +818,8 @@ def _sqlite_reclaim(limit: int, job_id: int | None, cancel: bool, actor: str) ->
         cursor.execute(SQLITE_RECLAIM_LOCKS, batch)
         cursor.execute(SQLITE_RECLAIM_EVENTS, batch)
         cursor.execute(SQLITE_RECLAIM_COUNTS, batch)
+        finished = Counter((job.lane, job.state) for job in reclaimed if job.state != "queued")
+        count_jobs(finished)  # the finished jobs' counts, in this transaction
     return reclaimed
 
 
@@ -918,6 +966,9 @@ def _sqlite_settle_and_claim(
                 (worker,) = cursor.fetchone()
                 cursor.execute(SQLITE_RELEASE_LOCKS, params)
                 cursor.execute(SQLITE_COUNT_ATTEMPT, params)
+                if params["state"] != "queued":  # into a finished state: count it
+                    finished = {"lane": params["lane"], "state": params["state"], "delta": 1}
+                    cursor.execute(COUNT_JOBS.format(shard="0"), finished)
                 data = {"state": params["state"], "outcome": params["outcome"]}
                 data["cancel_requested"] = bool(job_row[0])
                 event = {"event": "settled", "worker": worker, "data": json.dumps(data)}
@@ -1013,6 +1064,7 @@ def _settle_params(job: Claimed, how: Settlement) -> dict[str, Any]:
     return {
         "job_id": job.id,
         "kind": job.kind,
+        "lane": job.lane,
         "token": job.lease_token,
         "lease_id": job.lease_id,
         "state": how.state,

@@ -10,7 +10,7 @@ from typing import Any
 from django.conf import settings
 from django.db.models import Count, Min, Q
 
-from . import engine, scheduler
+from . import counts, engine, scheduler
 from .models import Job, State, Worker
 from .serialization import timestamp
 
@@ -69,11 +69,9 @@ def queue_status() -> dict[str, Any]:
     now = engine.db_now()
     totals = {state.value: 0 for state in State}
     lanes: dict[str, dict[str, Any]] = {}
-    counts = Job.objects.values("lane", "state").annotate(n=Count("id")).order_by()
-    for row in counts:
-        totals[row["state"]] += row["n"]
-        lane = lanes.setdefault(row["lane"], {s.value: 0 for s in State})
-        lane[row["state"]] = row["n"]
+    for (name, state), n in counts.by_lane().items():  # the finished history is not scanned
+        totals[state] += n
+        lanes.setdefault(name, {s.value: 0 for s in State})[state] = n
     oldest = (
         Job.objects.filter(state=State.QUEUED, run_at__lte=now)
         .values("lane")

@@ -6,13 +6,14 @@ reports the same values, and the counters only grow across restarts and job prun
 * ``holdfast_job_attempts_total{kind,outcome}`` and the ``holdfast_job_duration_seconds{kind}``
   histogram come from ``jobs_attemptcount``, which the settle statement (and reclaim) add
   to in the transaction that records each attempt's outcome. Pruning never touches it.
-* ``holdfast_jobs{lane,state}`` counts the jobs now queued (delayed ones included),
-  running and dead, as ``queue_status`` does; succeeded and cancelled jobs are history,
-  counted by the attempts counter (``outcome="succeeded"``), not by a scan of it.
+* ``holdfast_jobs{lane,state}`` comes from ``jobs.counts``, as ``queue_status``'s counts
+  do: queued (delayed ones included) and running jobs counted from their rows, finished
+  ones (succeeded, dead, cancelled) from ``jobs_jobcount``, which every transition into or
+  out of a finished state (pruning included) adjusts in its own transaction.
 
-A scrape reads only indexed, bounded sets (active and dead jobs, workers, schedules,
-counter rows, open and resolved issues), never the finished history, so its cost does not
-grow with the size of ``jobs_job``.
+A scrape reads only indexed, bounded sets (active jobs, workers, schedules, counter rows,
+issues), never the finished history, so its cost does not grow with the size of
+``jobs_job``.
 """
 
 from __future__ import annotations
@@ -33,13 +34,12 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector, CollectorRegistry
 
+from jobs import counts as job_counts
 from jobs import engine
 from jobs import lanes as lane_config
 from jobs.models import DURATION_BUCKETS, AttemptCount, Job, Outcome, Schedule, State, Worker
 from jobs.status import worker_liveness
 
-#: The states ``holdfast_jobs`` reports: what is waiting, working and waiting for a human.
-GAUGED_STATES = (State.QUEUED, State.RUNNING, State.DEAD)
 #: Attempts whose duration the histogram records: those the handler itself ended.
 TIMED_OUTCOMES = (Outcome.SUCCEEDED, Outcome.FAILED, Outcome.CANCELLED)
 #: Every metric this module exports (the dashboard and alert tests check against it).
@@ -95,17 +95,6 @@ def spool_files() -> tuple[dict[str, int], float]:
     return found, 0.0 if oldest is None else max(0.0, time.time() - oldest)
 
 
-def gauged_counts() -> QuerySet[Job, tuple[str, str, int]]:
-    """(lane, state, count) of queued, running and dead jobs: through the (state, lane,
-    kind) index, so the finished history is never read."""
-    return (
-        Job.objects.filter(state__in=GAUGED_STATES)
-        .values_list("lane", "state")
-        .annotate(n=Count("id"))
-        .order_by()
-    )
-
-
 def oldest_runnable(now: Any) -> QuerySet[Job, tuple[str, Any]]:
     """(lane, oldest run_at) of runnable queued jobs, through the claim's partial index."""
     return (
@@ -158,17 +147,15 @@ class HoldfastCollector(Collector):
 
     def _jobs(self, now: Any) -> Iterator[Metric]:
         known = set(lane_config.lanes())
-        counts: dict[tuple[str, str], int] = {}
-        for lane, state, n in gauged_counts():
-            counts[(lane, state)] = n
-            known.add(lane)
+        counts = job_counts.by_lane()
+        known.update(lane for lane, _ in counts)
         jobs = GaugeMetricFamily(
             "holdfast_jobs",
-            "Jobs queued (delayed included), running and dead, by lane",
+            "Jobs by lane and state (queued includes delayed jobs), as queue_status counts them",
             labels=["lane", "state"],
         )
         for lane in sorted(known):
-            for state in GAUGED_STATES:
+            for state in State:
                 jobs.add_metric([lane, state.value], counts.get((lane, state.value), 0))
         yield jobs
         oldest = dict(oldest_runnable(now))

@@ -70,6 +70,10 @@ def test_list_ops_tokens_shows_everything_but_the_secret():
     for text in (run("list_ops_tokens", "--json"), human):
         assert live.split("_", 2)[2] not in text and old.split("_", 2)[2] not in text
     assert "reader" in human and "revoked" in human
+    header, *lines = human.splitlines()
+    starts = [header.index(title) for title in ("last used", "expires", "revoked")]
+    for line in lines[:-1]:  # the columns line up with their titles
+        assert all(line[start - 1] == " " and line[start] != " " for start in starts), line
 
 
 @pytest.mark.parametrize("duration", ["soon", "0s", "-1d", "10y"])

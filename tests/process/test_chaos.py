@@ -34,6 +34,7 @@ from django.db import connection
 from django.db.models import Count
 from django.test import override_settings
 
+from jobs import counts
 from jobs.engine import enqueue
 from jobs.models import Job, JobEvent, Lease, Outcome, State
 from tests.process.helpers import (
@@ -205,6 +206,9 @@ def test_random_lock_sets_under_random_kills_never_overlap_stall_or_exceed_a_lan
     assert overlapping_leases(ids) == [], context
     assert concurrent_jobs_per_worker(ids) == [], context
     assert_engine_invariants(job_ids=ids, context=context)
+    # The finished jobs' counts, kept by concurrent settles and reclaims, match the rows.
+    truth = Job.objects.values_list("lane", "state").annotate(n=Count("id")).order_by()
+    assert counts.by_lane() == {(lane, state): n for lane, state, n in truth}, context
     print(
         f"chaos: {len(ids)} jobs, {chaos.kills} kills, {chaos.started} workers, "
         f"{chaos.samples} samples, at most {chaos.most_running} running in {LIMITED!r}"

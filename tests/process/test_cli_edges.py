@@ -83,11 +83,19 @@ def test_bad_spool_paths_are_exit_2_in_one_line(worker_env: dict[str, str], tmp_
         )
         for what, path in (("does not exist", tmp_path / "missing"), ("not a dir", a_file))
     ]
+    # The setting naming a file: the same one line, naming the setting.
+    setting = start(
+        [sys.executable, MANAGE, "ingest_submissions", "--once"],
+        {**worker_env, "HOLDFAST_SPOOL_DIR": str(a_file)},
+    )
     for what, process in running:
         code, _, err = finish(process)
         assert code == 2, err
         assert len(err.strip().splitlines()) == 1 and "--spool" in err, err
         assert what.split()[-1] in err
+    code, _, err = finish(setting)
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "HOLDFAST_SPOOL_DIR" in err and "Not a directory" in err, err
 
 
 def test_a_closed_pipe_ends_a_command_quietly(worker_env: dict[str, str]) -> None:

@@ -139,7 +139,7 @@ def test_the_units_pass_systemd_analyze_verify(tmp_path: Path):
         text = path.read_text().replace("/opt/holdfast", str(REPO))
         (tmp_path / path.name).write_text(text)
         names.append(path.name)
-    for instance in ("1", "2"):  # the target wants these instances of the template
+    for instance in ("1", "2"):  # instances of the template
         template = (tmp_path / "holdfast-worker@.service").read_text()
         (tmp_path / f"holdfast-worker@{instance}.service").write_text(template)
     names = [name for name in names if name != "holdfast-worker@.service"]
@@ -148,3 +148,39 @@ def test_the_units_pass_systemd_analyze_verify(tmp_path: Path):
         [analyze, "verify", *names], cwd=tmp_path, capture_output=True, text=True, timeout=60
     )
     assert verified.returncode == 0 and not verified.stderr.strip(), verified.stderr
+
+
+def test_the_documented_enable_commands_start_every_process_at_boot():
+    """Each unit docs/deployment.md enables reaches multi-user.target through [Install]
+    WantedBy= links that are themselves enabled: a worker instance is wanted by
+    holdfast-workers.target, which must be enabled too, or no worker starts at boot."""
+    guide = (REPO / "docs" / "deployment.md").read_text()
+    enabled: set[str] = set()
+    for line in guide.splitlines():
+        words = line.split("#")[0].split()
+        if words[:3] == ["sudo", "systemctl", "enable"]:
+            for word in words[3:]:
+                if word.startswith("--"):
+                    continue
+                names = [word.replace("{1..4}", n) for n in "1234"] if "{" in word else [word]
+                enabled.update(name if "." in name else f"{name}.service" for name in names)
+
+    def wanted_by(name: str) -> list[str]:
+        file = re.sub(r"@[^.]+\.", "@.", name)  # an instance reads its template
+        return unit(file)["Install"]["WantedBy"].split()
+
+    def at_boot(name: str) -> bool:
+        return any(
+            target == "multi-user.target" or (target in enabled and at_boot(target))
+            for target in wanted_by(name)
+        )
+
+    for name in (
+        "holdfast-api.service",
+        "holdfast-scheduler.service",
+        "holdfast-ingester.service",
+        *(f"holdfast-worker@{n}.service" for n in "1234"),
+    ):
+        assert name in enabled and at_boot(name), name
+    # The target wants no fixed instances: disabling one really stops it for good.
+    assert "Wants" not in unit("holdfast-workers.target")["Unit"]

@@ -55,6 +55,13 @@ class Command(JobsCommand):
             what = "is not a directory" if os.path.exists(options["spool"]) else "does not exist"
             raise bad_input(f"--spool {options['spool']!r} {what}")
         spool = Spool.from_settings(options["spool"])
+        try:
+            spool.ensure()
+        except OSError as exc:  # HOLDFAST_SPOOL_DIR names a file, or a place we cannot write
+            where = "--spool" if options["spool"] else "HOLDFAST_SPOOL_DIR"
+            reason = exc.strerror or str(exc)
+            message = f"{where} {str(spool.root)!r} is not a usable spool: {reason}"
+            raise bad_input(message) from None
         # A terminal gets one self-rewriting line; logs get periodic ingest_progress events.
         progress = ingester.progress_for(self.stderr, write=self._write_progress)
         on_terminal = isinstance(progress, ingester.ProgressLine)
