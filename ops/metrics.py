@@ -19,12 +19,10 @@ issues), never the finished history, so its cost does not grow with the size of
 from __future__ import annotations
 
 import os
-import time
 from collections import defaultdict
 from collections.abc import Iterator
 from typing import Any
 
-from django.conf import settings
 from django.db.models import Count, Min, Q, QuerySet, Sum
 from prometheus_client.core import (
     CounterMetricFamily,
@@ -34,6 +32,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector, CollectorRegistry
 
+from ingestion.spool import Spool
 from jobs import counts as job_counts
 from jobs import engine
 from jobs import lanes as lane_config
@@ -69,30 +68,21 @@ def worker_counts() -> dict[str, Any]:
 
 def spool_files() -> tuple[dict[str, int], float]:
     """Submissions waiting in ``incoming/`` and quarantined in ``failed/``, and the age in
-    seconds of the oldest one waiting (0: none)."""
-    root = settings.HOLDFAST_SPOOL_DIR
-    found: dict[str, int] = {}
-    oldest: float | None = None
-    for state in ("incoming", "failed"):
-        count = 0
-        try:
-            with os.scandir(root / state) as entries:
-                for entry in entries:
-                    name = entry.name
-                    if not name.endswith(".json") or name.endswith(".reason.json"):
-                        continue
-                    count += 1
-                    if state == "incoming":
-                        try:
-                            mtime = entry.stat().st_mtime
-                        except FileNotFoundError:  # taken by the ingester meanwhile
-                            count -= 1
-                            continue
-                        oldest = mtime if oldest is None else min(oldest, mtime)
-        except (FileNotFoundError, NotADirectoryError):
-            pass
-        found[state] = count
-    return found, 0.0 if oldest is None else max(0.0, time.time() - oldest)
+    seconds of the oldest one waiting, from its arrival (0: none), as ``Spool.backlog``
+    and the grace alert measure it."""
+    spool = Spool.from_settings()
+    backlog = spool.backlog()
+    failed = 0
+    try:
+        with os.scandir(spool.failed) as entries:
+            failed = sum(
+                entry.name.endswith(".json") and not entry.name.endswith(".reason.json")
+                for entry in entries
+            )
+    except (FileNotFoundError, NotADirectoryError):
+        pass
+    found = {"incoming": backlog["pending"] or 0, "failed": failed}
+    return found, backlog["oldest_age_s"] or 0.0
 
 
 def oldest_runnable(now: Any) -> QuerySet[Job, tuple[str, Any]]:

@@ -9,8 +9,6 @@ transaction, with the token's name as the actor the engine logs.
 from __future__ import annotations
 
 import math
-import os
-import time
 from collections.abc import Callable
 from typing import Any, ClassVar
 
@@ -30,7 +28,7 @@ from rest_framework.utils.urls import replace_query_param
 from rest_framework.views import APIView
 
 from ingestion import reconciliation, search
-from ingestion.spool import grace_seconds
+from ingestion.spool import Spool
 from jobs import engine
 from jobs.exceptions import InvalidJob
 from jobs.log import get_logger
@@ -489,30 +487,14 @@ def worker_health() -> dict[str, Any]:
 
 
 def spool_health() -> dict[str, Any]:
-    """How many submissions wait in ``incoming/`` and the age of the oldest, in seconds;
-    ``stale`` and ``grace_s`` only when the oldest is past the grace period."""
-    incoming = settings.HOLDFAST_SPOOL_DIR / "incoming"
-    oldest: float | None = None
-    pending = 0
-    try:
-        entries = list(os.scandir(incoming))
-    except (FileNotFoundError, NotADirectoryError):
-        entries = []
-    except OSError as exc:
-        return {"pending": None, "oldest_age_s": None, "error": f"cannot read the spool: {exc}"}
-    for entry in entries:
-        if not entry.name.endswith(".json"):
-            continue
-        try:
-            if not entry.is_file():
-                continue
-            mtime = entry.stat().st_mtime
-        except FileNotFoundError:  # the ingester took it meanwhile
-            continue
-        pending += 1
-        oldest = mtime if oldest is None else min(oldest, mtime)
-    age = None if oldest is None else round(max(0.0, time.time() - oldest), 3)
-    grace = grace_seconds()
-    if grace and age is not None and age > grace:  # the ingester stops on it: alert
-        return {"pending": pending, "oldest_age_s": age, "stale": True, "grace_s": grace}
-    return {"pending": pending, "oldest_age_s": age}
+    """How many submissions wait in ``incoming/`` and the age of the oldest, in seconds,
+    measured from its arrival as the ingester's grace alert measures it
+    (``Spool.backlog``); ``stale`` and ``grace_s`` only when the oldest is past the grace
+    period."""
+    backlog = Spool.from_settings().backlog()
+    if backlog.get("error"):
+        return {"pending": None, "oldest_age_s": None, "error": backlog["error"]}
+    health = {"pending": backlog["pending"], "oldest_age_s": backlog["oldest_age_s"]}
+    if backlog["stale"]:  # the ingester stops on it: alert
+        health.update(stale=True, grace_s=backlog["grace_s"])
+    return health

@@ -641,18 +641,29 @@ def test_health_counts_live_and_gone_workers(client, api_tokens, settings):
     assert call(client, "GET", "health/", api_tokens.read).json()["workers"]["stale_after_s"] == 30
 
 
-def test_health_reports_the_spool_backlog(client, api_tokens, settings, tmp_path: Path):
+def spool_clock(monkeypatch, seconds: float) -> None:
+    """Move the spool's wall clock on: every file in it is ``seconds`` older. Ages count
+    from a file's arrival (its ctime), which no producer can set back (``cp -p``)."""
+    from ingestion import spool
+
+    monkeypatch.setattr(spool, "wall_clock", lambda: time.time() + seconds)
+
+
+def test_health_reports_the_spool_backlog(
+    client, api_tokens, settings, tmp_path: Path, monkeypatch
+):
     settings.HOLDFAST_SPOOL_DIR = tmp_path / "spool"
     spool = call(client, "GET", "health/", api_tokens.read).json()["spool"]
     assert spool == {"pending": 0, "oldest_age_s": None}, "no incoming/ directory yet"
     incoming = tmp_path / "spool" / "incoming"
     incoming.mkdir(parents=True)
     assert call(client, "GET", "health/", api_tokens.read).json()["spool"]["pending"] == 0
-    now = time.time()
-    for name, age in [("a.json", 120), ("b.json", 10), ("c.json.tmp", 999), ("d.txt", 999)]:
+    for name in ["a.json", "b.json", "c.json.tmp", "d.txt"]:
         (incoming / name).write_text("{}")
-        os.utime(incoming / name, (now - age, now - age))
+    now = time.time()
+    os.utime(incoming / "b.json", (now - 9999, now - 9999))  # an old mtime (cp -p): not old
     (incoming / "dir.json").mkdir()
+    spool_clock(monkeypatch, 120)
     spool = call(client, "GET", "health/", api_tokens.read).json()["spool"]
     assert spool["pending"] == 2
     assert 119 <= spool["oldest_age_s"] <= 130
@@ -853,7 +864,7 @@ def test_health_is_503_when_no_worker_is_live(client, api_tokens, settings):
 
 
 def test_health_is_503_when_the_spool_is_overdue_or_the_ingester_stuck(
-    client, api_tokens, settings, tmp_path: Path
+    client, api_tokens, settings, tmp_path: Path, monkeypatch
 ):
     Worker.objects.create(id="live", host="h", pid=1)
     settings.HOLDFAST_SPOOL_DIR = tmp_path / "spool"
@@ -864,12 +875,11 @@ def test_health_is_503_when_the_spool_is_overdue_or_the_ingester_stuck(
     waiting = incoming / "a.json"
     waiting.write_text("{}")
     assert health(client).status_code == 200, "a fresh file: the ingester has time"
-    now = time.time()
-    os.utime(waiting, (now - 400, now - 400))
+    spool_clock(monkeypatch, 400)
     response = health(client, api_tokens.read)
     assert response.status_code == 503
     assert [reason["code"] for reason in response.json()["reasons"]] == ["ingester_stuck"]
-    os.utime(waiting, (now - 4000, now - 4000))
+    spool_clock(monkeypatch, 4000)
     response = health(client, api_tokens.read)
     codes = [reason["code"] for reason in response.json()["reasons"]]
     assert codes == ["spool_overdue", "ingester_stuck"]

@@ -6,6 +6,7 @@ the counters are checked to survive pruning and a fresh collector (a new API pro
 
 from __future__ import annotations
 
+import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -74,7 +75,9 @@ def known_mix() -> None:
     engine.enqueue("test.echo")  # runnable, behind the claimed one
 
 
-def test_a_scrape_matches_the_database(settings, tmp_path: Path, read_token):
+def test_a_scrape_matches_the_database(settings, tmp_path: Path, read_token, monkeypatch):
+    from ingestion import spool
+
     settings.HOLDFAST_SPOOL_DIR = tmp_path / "spool"
     (tmp_path / "spool" / "incoming").mkdir(parents=True)
     (tmp_path / "spool" / "failed").mkdir()
@@ -86,6 +89,8 @@ def test_a_scrape_matches_the_database(settings, tmp_path: Path, read_token):
     Worker.objects.create(id="gone-1", host="h", pid=2)
     Worker.objects.filter(pk="gone-1").update(heartbeat_at=timezone.now() - timedelta(hours=1))
 
+    # Ages count from a file's arrival (ctime), as the grace alert does: move the clock.
+    monkeypatch.setattr(spool, "wall_clock", lambda: time.time() + 90)
     samples = scrape(read_token)
 
     for state in State:
@@ -118,7 +123,7 @@ def test_a_scrape_matches_the_database(settings, tmp_path: Path, read_token):
     assert echo_buckets == sorted(echo_buckets)
     assert value(samples, "holdfast_spool_files", state="incoming") == 1
     assert value(samples, "holdfast_spool_files", state="failed") == 1
-    assert value(samples, "holdfast_spool_oldest_age_seconds") > 0
+    assert 89 <= value(samples, "holdfast_spool_oldest_age_seconds") <= 120
 
 
 def test_the_scrape_exports_exactly_the_documented_metrics(read_token):

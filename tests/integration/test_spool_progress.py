@@ -83,23 +83,6 @@ def test_without_a_terminal_progress_is_periodic_events_and_a_final_summary() ->
     ]
 
 
-def test_an_idle_ingester_logs_no_progress_until_a_count_changes() -> None:
-    clock = Clock()
-    events = ProgressEvents(interval=10.0, clock=clock)
-    idle = {**FIGURES, "seen": 0, "applied": 0, "duplicates": 0, "quarantined": 0, "pending": 0}
-    with capture_logs() as logs:
-        for _ in range(10):
-            clock.now += 10.0
-            events.update({**idle, "elapsed_s": clock.now})  # time passes, nothing else
-        assert logs == []
-        clock.now += 10.0
-        events.update(FIGURES)
-        for _ in range(3):
-            clock.now += 10.0
-            events.update({**FIGURES, "elapsed_s": clock.now, "rate_files_per_s": 0.0})
-    assert [e["applied"] for e in logs] == [9]  # once, when it changed
-
-
 def test_the_rate_is_recent_not_a_lifetime_average() -> None:
     rate = Rate(window=5.0)
     assert rate.add(0.0, 0) == 0.0
