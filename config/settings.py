@@ -73,22 +73,10 @@ def env_duration(name: str, default: str) -> timedelta | None:
         raise ImproperlyConfigured(f"{name}: {exc}, or off") from None
 
 
-def env_switch(name: str, default: bool) -> bool:
-    """An ``on``/``off`` setting (also true/false, yes/no, 1/0); anything else is refused."""
-    value = os.environ.get(name, "").strip().lower()
-    if not value:
-        return default
-    if value in {"1", "true", "yes", "on"}:
-        return True
-    if value in {"0", "false", "no", "off"}:
-        return False
-    raise ImproperlyConfigured(f"{name} must be 'on' or 'off', got {value!r}")
-
-
 # Server-side prepared statements for the engine's hot path. Off behind a pooler that
 # does not keep them per client (PgBouncer < 1.21 in transaction mode): then nothing
 # Holdfast or Django runs keeps any session state (docs/operations.md, "PgBouncer").
-HOLDFAST_PREPARED_STATEMENTS = env_switch("HOLDFAST_PREPARED_STATEMENTS", True)
+HOLDFAST_PREPARED_STATEMENTS = env_bool("HOLDFAST_PREPARED_STATEMENTS", True)
 
 
 def local_secret_key() -> str:

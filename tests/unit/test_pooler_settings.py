@@ -70,4 +70,4 @@ def test_the_defaults_prepare_and_listen_on_database_url(tmp_path: Path) -> None
 def test_a_bad_switch_is_refused(tmp_path: Path) -> None:
     done = settings_with(tmp_path, HOLDFAST_PREPARED_STATEMENTS="sometimes")
     assert done.returncode != 0
-    assert "HOLDFAST_PREPARED_STATEMENTS must be 'on' or 'off'" in done.stderr
+    assert "HOLDFAST_PREPARED_STATEMENTS must be 1/true/yes/on or 0/false/no/off" in done.stderr
