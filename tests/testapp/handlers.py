@@ -1,7 +1,9 @@
 """Job kinds used by the tests. Workers in subprocesses import them like any app's."""
 
 import contextlib
+import ctypes
 import os
+import signal
 import time
 from datetime import timedelta
 from typing import Any
@@ -258,9 +260,16 @@ def raise_base(ctx: JobContext, *, which: str) -> None:
     raise GeneratorExit(f"generator closed in attempt {ctx.attempt}")
 
 
-@handler("test.hard_exit", backoff=0, max_attempts=2, lease_seconds=1)
-def hard_exit(ctx: JobContext) -> None:
-    """Kills its own worker process, as a segfault or the OOM killer would."""
+@handler("test.hard_exit", backoff=0, max_attempts=3, lease_seconds=1)
+def hard_exit(ctx: JobContext, *, ways: tuple[str, ...] = ("exit", "exit", "exit")) -> None:
+    """Kills its own worker process, attempt n the n-th of ``ways``: ``exit``
+    (``os._exit(1)``), ``segfault`` (a real one: reads address 0) or ``sigkill`` (what the
+    OOM killer sends)."""
+    way = ways[min(ctx.attempt, len(ways)) - 1]
+    if way == "segfault":
+        ctypes.string_at(0)
+    elif way == "sigkill":
+        os.kill(os.getpid(), signal.SIGKILL)
     os._exit(1)
 
 
