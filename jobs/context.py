@@ -29,7 +29,8 @@ class JobContext:
     ``ctx.atomic(complete=True, result=...)`` marks the job succeeded as that last
     statement instead (I4). No lock on the job row is held while the block's code runs, so
     a worker frozen inside it never holds up reclaim, cancel or heartbeats; on PostgreSQL
-    the server also ends its session after one lease idle in the transaction.
+    the server also ends its session after one lease idle in the transaction (also when
+    the block is nested in the handler's own transaction, which holds the fence's lock).
     """
 
     Cancelled = Cancelled
@@ -80,10 +81,15 @@ class JobContext:
         if self.completed:
             raise RuntimeError(f"job {self.job_id} already completed in an earlier ctx.atomic()")
         written = None
-        outermost = not connection.in_atomic_block
+        # The server ends a session idle in this transaction after one lease: set in the
+        # outermost block, and in a worker in every block, since a block nested in the
+        # handler's own transaction leaves its fence's lock on the job row until that
+        # outer transaction ends. (Built by hand, e.g. in a test's transaction, only the
+        # outermost block sets it: the caller's transaction is not the job's.)
+        idle_timeout = self.own_connection or not connection.in_atomic_block
         try:
             with transaction.atomic():
-                engine.check_lease(self.job, idle_timeout=outermost)
+                engine.check_lease(self.job, idle_timeout=idle_timeout)
                 yield
                 # The fence is the block's last statement, so it and the commit serialize
                 # with any reclaim or settle of the job row (see engine.fence). A held-back

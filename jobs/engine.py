@@ -1109,8 +1109,8 @@ def worker_stopped(worker_id: str) -> None:
 def prune_workers(retention_seconds: float | None = None, batch: int = 1000) -> int:
     """Delete the rows of workers whose last heartbeat is older than the retention
     (``HOLDFAST_WORKER_RETENTION_SECONDS``; stopped or gone alike), at most ``batch`` per
-    call: a bounded read and, when it found rows, a bounded delete; run by every lease
-    keeper's periodic pass."""
+    call: a bounded read and, when it found rows, a bounded delete; run by every worker's
+    reclaimer thread after its reclaim passes."""
     if retention_seconds is None:
         retention_seconds = float(settings.HOLDFAST_WORKER_RETENTION_SECONDS)
     cutoff = Now() - timedelta(seconds=retention_seconds)

@@ -72,17 +72,19 @@ class Listener:
         if time.monotonic() < self._retry_at:
             return None
         params = {
+            # The database's libpq options too (TCP keepalives, so an idle LISTEN on a
+            # primary that vanished is noticed; sslmode; application_name ...).
+            **libpq_options(self._settings),
             "dbname": self._settings["NAME"],
             "user": self._settings.get("USER") or None,
             "password": self._settings.get("PASSWORD") or None,
             "host": self._settings.get("HOST") or None,
             "port": self._settings.get("PORT") or None,
+            "connect_timeout": 5,
         }
         try:
             conn = psycopg.connect(
-                **{k: v for k, v in params.items() if v is not None},
-                autocommit=True,
-                connect_timeout=5,
+                **{k: v for k, v in params.items() if v is not None}, autocommit=True
             )
             conn.execute(f"LISTEN {self._channel}")
         except psycopg.Error as exc:
@@ -106,6 +108,26 @@ class Listener:
 
     def close(self) -> None:
         self._drop()
+
+
+# OPTIONS of a Django database that are Django's or psycopg's own, not libpq's.
+NOT_LIBPQ = frozenset(
+    {
+        "assume_role",
+        "context",
+        "cursor_factory",
+        "isolation_level",
+        "pool",
+        "prepare_threshold",
+        "server_side_binding",
+    }
+)
+
+
+def libpq_options(settings_dict: dict[str, Any]) -> dict[str, Any]:
+    """The libpq connection options in a Django database's ``OPTIONS``."""
+    options = settings_dict.get("OPTIONS") or {}
+    return {key: value for key, value in options.items() if key not in NOT_LIBPQ}
 
 
 class CancelListener(Listener):

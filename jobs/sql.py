@@ -827,13 +827,22 @@ def _sqlite_reclaim(limit: int, job_id: int | None, cancel: bool, actor: str) ->
 def lock_waits_bounded(seconds: float) -> Iterator[None]:
     """A transaction whose lock waits (row locks; SQLite's database lock) end after
     ``seconds``, raising OperationalError, so an operator action never hangs behind a
-    frozen holder. PostgreSQL: ``SET LOCAL`` in the transaction; SQLite: the busy timeout,
-    restored afterwards."""
+    frozen holder. PostgreSQL: ``lock_timeout``, local to the transaction and, inside a
+    caller's transaction, put back when the block ends (a failed block's savepoint
+    rollback puts it back by itself); SQLite: the busy timeout, restored afterwards."""
     if is_postgres():
+        nested = connection.in_atomic_block
         with transaction.atomic():
             with connection.cursor() as cursor:
-                cursor.execute(f"SET LOCAL lock_timeout = '{int(seconds * 1000)}ms'")
+                cursor.execute(
+                    "SELECT current_setting('lock_timeout'), set_config('lock_timeout', %s, true)",
+                    [f"{int(seconds * 1000)}ms"],
+                )
+                (previous, _) = cursor.fetchone()
             yield
+            if nested:
+                with connection.cursor() as cursor:
+                    cursor.execute("SELECT set_config('lock_timeout', %s, true)", [previous])
         return
     with connection.cursor() as cursor:
         cursor.execute("PRAGMA busy_timeout")

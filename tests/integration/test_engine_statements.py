@@ -134,3 +134,28 @@ def test_a_restarted_worker_leaves_its_previous_incarnations_job_to_reclaim():
     engine.enqueue("test.echo")
     mine = claim_one("host-1")
     assert engine.release_orphans("host-1", keep=None) == [mine.id]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_cancel_inside_a_callers_transaction_leaves_its_lock_wait_alone():
+    """``cancel_job`` bounds its own lock waits; called from inside a transaction (a
+    handler cancelling another job), the rest of that transaction keeps its own."""
+    queued = engine.enqueue("test.echo")
+    with transaction.atomic():
+        before = lock_wait_now()
+        assert engine.cancel(queued.pk).state == State.CANCELLED
+        assert lock_wait_now() == before
+    with transaction.atomic():
+        before = lock_wait_now()
+        with pytest.raises(StateConflict):
+            engine.cancel(queued.pk)  # finished: refused, rolled back to its savepoint
+        assert lock_wait_now() == before
+
+
+def lock_wait_now() -> str:
+    with connection.cursor() as cursor:
+        if connection.vendor == "postgresql":
+            cursor.execute("SHOW lock_timeout")
+        else:
+            cursor.execute("PRAGMA busy_timeout")
+        return str(cursor.fetchone()[0])

@@ -11,10 +11,12 @@ from __future__ import annotations
 import statistics
 import threading
 import time
+from datetime import timedelta
 
 import pytest
-from django.db import connection
+from django.db import connection, transaction
 from django.test.utils import CaptureQueriesContext
+from django.utils import timezone
 
 from jobs import engine
 from jobs.models import Job, JobLock, Lease, Outcome, State
@@ -136,3 +138,35 @@ def test_ten_thousand_expired_leases_in_one_pass_beside_a_live_heartbeat():
     first = engine.claim("survivor")
     assert first is not None and first.id == ids[0] and first.id != newer.pk
     assert engine.events(ids[1]).filter(event="reclaimed").get().data["state"] == "queued"
+
+
+def test_a_row_an_open_transaction_holds_is_skipped_not_waited_for():
+    """One expired job whose row a frozen transaction holds (a fence before its commit)
+    never holds up the reclaim of the others: it is skipped, and reclaimed once free."""
+    held, free = (job.pk for job in engine.enqueue_many("test.noop", [{"n": 1}, {"n": 2}]))
+    for _ in range(2):
+        engine.claim("dead-worker")
+    Job.objects.filter(pk__in=[held, free]).update(
+        lease_expires_at=timezone.now() - timedelta(minutes=5)
+    )
+    locked, release = threading.Event(), threading.Event()
+
+    def hold_the_row() -> None:
+        try:
+            with transaction.atomic():
+                list(Job.objects.select_for_update().filter(pk=held))
+                locked.set()
+                release.wait(30)
+        finally:
+            connection.close()
+
+    holder = threading.Thread(target=hold_the_row)
+    holder.start()
+    try:
+        assert locked.wait(10)
+        # Waiting for the row would end in the reclaim's 1 s lock_timeout, failing it all.
+        assert engine.reclaim_expired() == [free]
+    finally:
+        release.set()
+        holder.join()
+    assert engine.reclaim_expired() == [held]

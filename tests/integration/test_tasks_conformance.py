@@ -116,3 +116,16 @@ def test_the_task_path_is_visible_and_filters_jobs_requeues_and_the_api(run_work
     data = run_json("requeue_dead", "--kind", "tests.testapp.tasks.missing_report")
     assert data["requeued"] == [int(bad.id)]
     assert Job.objects.get(pk=int(bad.id)).state == State.QUEUED
+
+    # The API's requeue chooses by task path too.
+    Job.objects.filter(pk=int(bad.id)).update(state=State.DEAD)
+    _, writer = tokens.create("writer", "write")
+    response = Client().post(
+        "/internal/v1/dead-jobs/requeue/",
+        {"kind": "tests.testapp.tasks.missing_report"},
+        content_type="application/json",
+        headers={"Authorization": f"Bearer {writer}"},
+    )
+    assert response.status_code == 200, response.content
+    assert response.json()["requeued"] == [int(bad.id)]
+    assert Job.objects.get(pk=int(bad.id)).state == State.QUEUED

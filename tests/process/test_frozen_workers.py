@@ -18,6 +18,7 @@ from django.db import connection
 from django.utils import timezone
 
 from jobs import engine
+from jobs.exceptions import StateConflict
 from jobs.models import Job, JobLock, Lease, Outcome, State
 from tests.process.helpers import assert_engine_invariants, job_summary, wait_for_marker
 from tests.support.workers import WorkerPool, WorkerProc, wait_until
@@ -71,8 +72,10 @@ def _frozen(proc: WorkerProc) -> bool:
     return proc._is_stopped()
 
 
-def _cancel_within(job_id: int, seconds: float) -> Job:
-    """``cancel_job`` on the job, from another connection; it must return in time."""
+def _cancel_within(job_id: int, seconds: float, row_locked: bool = False) -> Job | None:
+    """``cancel_job`` on the job, from another connection; it must return in time. With
+    ``row_locked`` (a frozen fence holds the job row) it may say so (StateConflict: None),
+    unless the server ended the frozen session while it waited."""
     outcome: dict[str, object] = {}
 
     def cancel() -> None:
@@ -88,18 +91,30 @@ def _cancel_within(job_id: int, seconds: float) -> Job:
     thread.start()
     thread.join(seconds)
     assert not thread.is_alive(), f"cancel_job still waiting after {seconds} s"
+    if row_locked and isinstance(outcome.get("error"), StateConflict):
+        assert time.monotonic() - started < seconds
+        return None
     assert "error" not in outcome, outcome
     assert time.monotonic() - started < seconds
     return outcome["job"]  # type: ignore[return-value]
 
 
 def _check_recovery(
-    job_id: int, frozen: WorkerProc, other: WorkerProc, frozen_at: float, pool: WorkerPool
+    job_id: int,
+    frozen: WorkerProc,
+    other: WorkerProc,
+    frozen_at: float,
+    pool: WorkerPool,
+    row_locked: bool = False,
 ) -> None:
     """Within the bound: the locks of the frozen lease are free and the other worker has
     completed the job; once continued, the frozen worker's writes are all refused."""
-    # cancel_job answers at once (a request: the lease is still live)
-    assert _cancel_within(job_id, 5.0).state == State.RUNNING
+    # cancel_job answers at once (a request: the lease is still live; or, while a frozen
+    # fence holds the job row, "busy, try again")
+    cancelled = _cancel_within(job_id, 5.0, row_locked)
+    assert (row_locked and cancelled is None) or (
+        cancelled is not None and cancelled.state == State.RUNNING
+    )
 
     def locks_freed() -> bool:
         return not JobLock.objects.filter(job_id=job_id, lease_token=1).exists()
@@ -131,6 +146,7 @@ def _check_recovery(
             and frozen.events("lease_lost", during="job_retry_scheduled")
             + frozen.events("lease_lost", during="job_dead")
             + frozen.events("lease_lost", during="handler")
+            + frozen.events("lease_lost", during="job_released")  # its session was ended
         ),
         20,
         message=frozen.describe,
@@ -176,6 +192,30 @@ def test_a_worker_frozen_inside_ctx_atomic_holds_up_nothing(
     frozen.stop()
     frozen_at = time.monotonic()
     _check_recovery(job.pk, frozen, other, frozen_at, workers)
+
+
+def test_a_worker_frozen_in_its_own_transaction_around_ctx_atomic_holds_up_nothing(
+    workers: WorkerPool, tmp_path: Path
+) -> None:
+    """The fenced block nested in the handler's own ``transaction.atomic()``: frozen after
+    the block, its fence's lock on the job row lasts until the outer commit. The server
+    ends that idle session within a lease too, so the job is reclaimed and completed in
+    time."""
+    procs = [workers.start("w-a"), workers.start("w-b")]
+    marker = tmp_path / "attempt-1"
+    job = engine.enqueue(
+        "test.freezable",
+        {
+            "document_id": _document().pk,
+            "resources": ["frozen:1"],
+            "marker": str(marker),
+            "pause_after_block": 2 * LEASE,
+        },
+    )
+    frozen, other = _holder(job.pk, procs)
+    wait_for_marker(Path(f"{marker}.in-block"), frozen)
+    frozen.stop()
+    _check_recovery(job.pk, frozen, other, time.monotonic(), workers, row_locked=True)
 
 
 def test_a_worker_frozen_inside_a_heartbeat_holds_up_nothing(

@@ -1,5 +1,6 @@
 """Holdfast through a real PgBouncer in transaction mode (``HOLDFAST_PREPARED_STATEMENTS=off``):
-workers, enqueue, the scheduler, the commands and the API all go through it; a killed
+workers, enqueue, the scheduler, every command (the engine's, the ops tokens', the
+ingestion's) and the API all go through it; a killed
 worker's job is reclaimed. LISTEN needs a session, so it either goes to a direct
 connection (``HOLDFAST_LISTEN_DATABASE_URL``) or, without one, the workers poll.
 
@@ -87,6 +88,17 @@ assert json.loads(run("requeue_dead", str(dead.pk), "--json"))["requeued"] == [d
 run("cancel_job", str(later.pk))
 run("prune_jobs", "--older-than", "30d")
 run("list_schedules")
+for toggle in ("pause_schedule", "resume_schedule", "run_schedule_now"):
+    run(toggle, "tick")
+run("add_source", "pgb", "--kind", "sitemap", "--url", "https://example.test/sitemap.xml")
+run("list_sources")
+run("list_artifacts", "--source", "pgb")
+run("list_reconciliation_issues")
+run("search", "anything")
+run("force_refresh", "--source", "pgb")
+run("disable_source", "pgb")
+run("gc_blobs", "--dry-run")
+run("ingest_submissions", "--once", "--spool", SPOOL)
 token = json.loads(run("create_ops_token", "probe", "--scope", "write", "--json"))["token"]
 auth = {"HTTP_AUTHORIZATION": f"Bearer {token}"}
 client = Client()
@@ -96,6 +108,8 @@ for path in ("queue/", "dead-jobs/", f"jobs/{dead.pk}/", "health/"):
 Job.objects.filter(pk=dead.pk).update(state="dead")
 response = client.post(f"/internal/v1/jobs/{dead.pk}/requeue/", **auth)
 assert response.status_code == 200, response.content
+run("list_ops_tokens")
+run("revoke_ops_token", "probe")
 print("commands and API ok")
 """
 
@@ -143,7 +157,9 @@ def test_through_pgbouncer_with_a_direct_listen_connection(
         interval=0.1,
         message=lambda: f"no scheduled job ran\n{describe()}",
     )
-    done = workers.python(COMMANDS_AND_API, env=env)
+    (tmp_path / "spool").mkdir()
+    spool = f"SPOOL = {str(tmp_path / 'spool')!r}\n"
+    done = workers.python(spool + COMMANDS_AND_API, env=env)
     assert "commands and API ok" in done.stdout, done.describe()
 
     # Kill the worker running a job: the other one reclaims it, all through the pooler.

@@ -2,8 +2,8 @@
 
 - A handler raising ``SystemExit``, ``KeyboardInterrupt`` or ``GeneratorExit`` fails its
   attempt with that class; the worker goes on.
-- A handler that kills its worker process (``os._exit``, as a segfault or the OOM killer
-  would) still ends ``dead`` after ``max_attempts``, its attempts saying the worker died.
+- A handler that kills its worker process (a segfault, a SIGKILL as from the OOM killer,
+  ``os._exit``) still ends ``dead`` after ``max_attempts``, its attempts saying the worker died.
 - A job of a kind no running worker knows waits, uncharged, and is named by
   ``queue_status``; a worker that knows the kind runs it.
 - If the lease keeper thread dies, the worker gives its job back uncharged and exits
@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import signal
 from pathlib import Path
 
 import pytest
@@ -57,12 +58,14 @@ def test_handlers_raising_base_exceptions_fail_their_attempts_not_the_worker(
 
 
 def test_a_job_that_kills_its_worker_goes_dead_after_max_attempts(workers: WorkerPool) -> None:
-    """Each attempt kills the process running it; each is reclaimed as "the worker died"
-    (by the next worker, then by a scheduler pass), and the second makes it dead."""
-    job = engine.enqueue("test.hard_exit")  # max_attempts=2, lease 1 s
-    for n in (1, 2):
+    """Each attempt kills the process running it (a real segfault, a SIGKILL as the OOM
+    killer sends, ``os._exit``); each is reclaimed as "the worker died" (by the next
+    worker, then by a scheduler pass), and the third makes it dead."""
+    ways = ("segfault", "sigkill", "exit")
+    job = engine.enqueue("test.hard_exit", {"ways": ways})  # max_attempts=3, lease 1 s
+    for n, status in ((1, -signal.SIGSEGV), (2, -signal.SIGKILL), (3, 1)):
         victim = workers.start(f"victim-{n}", wait_started=False)
-        assert victim.wait_exit(30) == 1, victim.describe()
+        assert victim.wait_exit(30) == status, victim.describe()
     wait_until(
         lambda: Job.objects.filter(pk=job.pk, lease_expires_at__lt=Now()).exists(),
         10,
@@ -71,17 +74,16 @@ def test_a_job_that_kills_its_worker_goes_dead_after_max_attempts(workers: Worke
     reclaim = workers.command("runscheduler", "--once")
     assert reclaim.returncode == 0, reclaim.describe()
     dead = wait_for_job(job.pk, State.DEAD, workers)
-    assert dead.attempts == 2
+    assert dead.attempts == 3
     leases = list(dead.leases.order_by("lease_token"))
     assert [(lease.worker_id, lease.outcome) for lease in leases] == [
-        ("victim-1", Outcome.LEASE_EXPIRED),
-        ("victim-2", Outcome.LEASE_EXPIRED),
+        (f"victim-{n}", Outcome.LEASE_EXPIRED) for n in (1, 2, 3)
     ]
     for n, lease in enumerate(leases, start=1):
         assert lease.error_class == "LeaseExpired"
         assert f"worker victim-{n} stopped renewing lease {n}" in lease.error_message
         assert f"died or stopped responding during attempt {n}" in lease.error_message
-    assert "died or stopped responding during attempt 2" in dead.last_error
+    assert "died or stopped responding during attempt 3" in dead.last_error
     assert_engine_invariants(job_ids=[job.pk], context=workers.describe())
 
 

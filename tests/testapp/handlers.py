@@ -1,10 +1,14 @@
 """Job kinds used by the tests. Workers in subprocesses import them like any app's."""
 
+import contextlib
+import ctypes
 import os
+import signal
 import time
 from datetime import timedelta
 from typing import Any
 
+from django.db import transaction
 from django.db.models import F
 from django.db.models.functions import Now
 from django.utils import timezone
@@ -213,24 +217,34 @@ def freezable(
     marker: str = "",
     pause_before: float = 0.0,
     pause_in_block: float = 0.0,
+    pause_after_block: float = 0.0,
 ) -> str:
     """A fenced block that locks a domain row (a Document) and records an effect, then
     completes with another effect. Its first attempt can pause before the block (freeze
-    the worker in a heartbeat there) or inside it (freeze it inside ``ctx.atomic()``);
-    later attempts run straight through. It ignores cancel requests."""
+    the worker in a heartbeat there), inside it (freeze it inside ``ctx.atomic()``) or,
+    with ``pause_after_block``, inside the handler's own transaction that the block is
+    nested in, after the block's fence locked the job row; later attempts run straight
+    through. It ignores cancel requests."""
     first = ctx.attempt == 1
     if marker and first:
         with open(marker, "w") as handle:
             handle.write(str(os.getpid()))
     if first:
         time.sleep(pause_before)
-    with ctx.atomic():
-        Document.objects.filter(pk=document_id).update(refreshed=F("refreshed") + 1)
-        _effect(ctx, "progress")
-        if first and pause_in_block:
+    # With pause_after_block, the handler's own transaction is around the fenced block.
+    outer = transaction.atomic() if pause_after_block else contextlib.nullcontext()
+    with outer:
+        with ctx.atomic():
+            Document.objects.filter(pk=document_id).update(refreshed=F("refreshed") + 1)
+            _effect(ctx, "progress")
+            if first and pause_in_block:
+                with open(f"{marker}.in-block", "w") as handle:
+                    handle.write(str(os.getpid()))
+                time.sleep(pause_in_block)
+        if first and pause_after_block:
             with open(f"{marker}.in-block", "w") as handle:
                 handle.write(str(os.getpid()))
-            time.sleep(pause_in_block)
+            time.sleep(pause_after_block)
     with ctx.atomic(complete=True, result="done"):
         _effect(ctx, "complete")
     return "done"
@@ -246,9 +260,16 @@ def raise_base(ctx: JobContext, *, which: str) -> None:
     raise GeneratorExit(f"generator closed in attempt {ctx.attempt}")
 
 
-@handler("test.hard_exit", backoff=0, max_attempts=2, lease_seconds=1)
-def hard_exit(ctx: JobContext) -> None:
-    """Kills its own worker process, as a segfault or the OOM killer would."""
+@handler("test.hard_exit", backoff=0, max_attempts=3, lease_seconds=1)
+def hard_exit(ctx: JobContext, *, ways: tuple[str, ...] = ("exit", "exit", "exit")) -> None:
+    """Kills its own worker process, attempt n the n-th of ``ways``: ``exit``
+    (``os._exit(1)``), ``segfault`` (a real one: reads address 0) or ``sigkill`` (what the
+    OOM killer sends)."""
+    way = ways[min(ctx.attempt, len(ways)) - 1]
+    if way == "segfault":
+        ctypes.string_at(0)
+    elif way == "sigkill":
+        os.kill(os.getpid(), signal.SIGKILL)
     os._exit(1)
 
 
