@@ -61,18 +61,25 @@ def store(data: bytes, base: Path | None = None) -> str:
             with contextlib.suppress(PermissionError):  # a store another user owns
                 os.utime(target)  # in use again: a collection running now must keep it
             return digest
-        fd, tmp_name = tempfile.mkstemp(prefix=TMP_PREFIX, dir=target.parent)
-        try:
-            with os.fdopen(fd, "wb") as tmp:
-                tmp.write(data)
-                tmp.flush()
-                os.fsync(tmp.fileno())
-            os.replace(tmp_name, target)
-        except BaseException:
-            Path(tmp_name).unlink(missing_ok=True)
-            raise
-        fsync_dir(target.parent)
+        write_durably(target, data)
     return digest
+
+
+def write_durably(target: Path, data: bytes) -> None:
+    """Write ``data`` to ``target`` all or nothing: a temporary file beside it, flushed to
+    disk, renamed over it, and the directory flushed, so a crash leaves the old file or
+    the new one, never a torn one (a leftover ``.tmp-*`` is what ``gc_blobs`` cleans)."""
+    fd, tmp_name = tempfile.mkstemp(prefix=TMP_PREFIX, dir=target.parent)
+    try:
+        with os.fdopen(fd, "wb") as tmp:
+            tmp.write(data)
+            tmp.flush()
+            os.fsync(tmp.fileno())
+        os.replace(tmp_name, target)
+    except BaseException:
+        Path(tmp_name).unlink(missing_ok=True)
+        raise
+    fsync_dir(target.parent)
 
 
 @contextlib.contextmanager

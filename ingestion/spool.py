@@ -38,7 +38,6 @@ import json
 import os
 import sqlite3
 import stat
-import tempfile
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -680,17 +679,8 @@ def quarantine(
             suffix = entry.hash[:12] if entry.hash else f"{time.time_ns():x}"
             target = spool.failed / f"{entry.name.removesuffix('.json')}.{suffix}.json"
         reason_path = target.with_name(target.name + ".reason.json")
-        fd, tmp_name = tempfile.mkstemp(prefix=".tmp-", dir=spool.failed)
-        try:
-            with os.fdopen(fd, "w") as tmp:
-                json.dump(reason_of(entry, issue_id), tmp, indent=2)
-                tmp.write("\n")
-                tmp.flush()
-                os.fsync(tmp.fileno())
-            os.replace(tmp_name, reason_path)
-        except BaseException:
-            Path(tmp_name).unlink(missing_ok=True)
-            raise
+        reason = json.dumps(reason_of(entry, issue_id), indent=2) + "\n"
+        blobs.write_durably(reason_path, reason.encode())
         os.rename(entry.name, target, src_dir_fd=directory)
         blobs.fsync_dir(spool.failed)
         return target
