@@ -8,11 +8,13 @@
 Each one costs a write per row inserted (and per non-HOT update) on the hot path.
 """
 
+from typing import Any
+
 import django.db.models.deletion
 from django.db import migrations, models
 
 
-def drop_lock_like_index(apps, schema_editor):
+def drop_lock_like_index(apps: Any, schema_editor: Any) -> None:
     if schema_editor.connection.vendor != "postgresql":
         return
     with schema_editor.connection.cursor() as cursor:
@@ -25,7 +27,7 @@ def drop_lock_like_index(apps, schema_editor):
             schema_editor.execute(f"DROP INDEX IF EXISTS {schema_editor.quote_name(name)}")
 
 
-def restore_lock_like_index(apps, schema_editor):
+def restore_lock_like_index(apps: Any, schema_editor: Any) -> None:
     if schema_editor.connection.vendor != "postgresql":
         return
     model = apps.get_model("jobs", "JobLock")
