@@ -722,24 +722,26 @@ def writes_row(db: Database, got: Throughput, raw: Throughput, minimal: Throughp
     return row
 
 
-BACKENDS = """
+BACKENDS_APP = "holdfast-bench-backends"  # PGAPPNAME of the counted worker
+BACKENDS = f"""
 SELECT count(*) FROM pg_stat_activity
-WHERE datname = current_database() AND backend_type = 'client backend'
-  AND pid <> pg_backend_pid()
+WHERE datname = current_database() AND application_name = '{BACKENDS_APP}'
 """
 
 
 def backends_row(db: Database, tmp: Path) -> Row:
     """PostgreSQL backends of one ``runworker`` (not ``--burst``): idle, then while it runs
-    a job. The scratch database has no other clients, so every other client backend on it
-    is the worker's; the highest count over about 1.5 s is taken in each phase."""
+    a job. The worker runs with ``PGAPPNAME`` set, so libpq names each of its connections
+    (``application_name``); the highest count over about 1.5 s is taken in each phase."""
     reset(db)
     log_path = tmp / "worker-postgres-backends.log"
+    env = django_env(db, tmp)
+    env["PGAPPNAME"] = BACKENDS_APP
     with open(log_path, "w") as log_file:
         worker = subprocess.Popen(
             [sys.executable, "manage.py", "runworker", "--worker-id", "bench-backends"],
             cwd=ROOT,
-            env=django_env(db, tmp),
+            env=env,
             stdout=log_file,
             stderr=subprocess.STDOUT,
         )
@@ -787,7 +789,7 @@ def backends_row(db: Database, tmp: Path) -> Row:
         0.0,
         0.0,
         None,
-        f"{busy} while it runs a job, {idle} idle (client backends on the scratch database)",
+        f"{busy} while it runs a job, {idle} idle (pg_stat_activity by application_name)",
     )
     row.checks.append((f"≤ {TARGET_BACKENDS} running a job", busy <= TARGET_BACKENDS))
     return row
