@@ -199,12 +199,15 @@ def _claim_samples(limits: dict[str, int] | None = None, k: int = CLAIM_SAMPLES)
     enqueued just before at priority 0 behind whatever is seeded; median and p90 of k.
     Each claimed job is completed (not timed), so every sample finds one runnable job."""
     from jobs import engine
+    from jobs import lanes as lane_config
 
+    # The limits a worker serving every lane claims with (HOLDFAST_LANES), plus the row's.
+    limits = {**lane_config.running_limits(None), **(limits or {})}
     samples = []
     for i in range(WARM_UP + k):
         (job_id,) = _seed(1, run_in=0.0)
         start = time.perf_counter()
-        job = engine.claim("bench-claim", None, limits or {})
+        job = engine.claim("bench-claim", None, limits)
         took = time.perf_counter() - start
         if job is None or job.id != job_id:
             raise RuntimeError(f"claimed {job and job.id}, expected the runnable job {job_id}")
