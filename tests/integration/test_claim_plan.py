@@ -36,8 +36,9 @@ def test_claim_reads_only_runnable_rows_in_claim_order(lanes):
 
 def plan_of(sql: str, params: dict | None = None, seqscan: bool = True) -> str:
     with connection.cursor() as cursor:
-        cursor.execute("ANALYZE")
-        if not seqscan:  # "can an index serve it at all": small tables would seq-scan
+        if seqscan:  # a plan from real statistics (ANALYZE's row counts outlive rollback)
+            cursor.execute("ANALYZE jobs_job")
+        else:  # "can an index serve it at all": small tables would seq-scan
             cursor.execute("SET LOCAL enable_seqscan = off")
         cursor.execute("EXPLAIN " + sql, params or {})
         plan = "\n".join(row[0] for row in cursor.fetchall())
