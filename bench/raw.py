@@ -10,6 +10,10 @@ Holdfast runs on.
   It keeps ``leased_by`` so the run can be timed per worker from the rows.
 * The insert bounds write the same rows ``enqueue_many`` writes: one per transaction, and
   in bulk (``COPY`` on PostgreSQL, ``executemany`` in one transaction on SQLite).
+* The minimal-table bound runs the same loop on ``bench_minimal_job``: a table of its own
+  with only the columns the loop reads or writes and one partial index on runnable rows,
+  as other queues' benchmarks use (no lane/kind/state/expiry/finished indexes, no unused
+  columns): what the claim/complete loop costs with nothing else to maintain.
 """
 
 from __future__ import annotations
@@ -115,6 +119,79 @@ def insert_single(target: Target, n: int) -> float:
         conn.close()
 
 
+# --- the minimal table -----------------------------------------------------------------
+
+MINIMAL_TABLE = "bench_minimal_job"
+
+PG_MINIMAL_DDL = f"""
+DROP TABLE IF EXISTS {MINIMAL_TABLE};
+CREATE TABLE {MINIMAL_TABLE} (
+    id bigserial PRIMARY KEY,
+    state text NOT NULL DEFAULT 'queued',
+    priority smallint NOT NULL DEFAULT 0,
+    run_at timestamptz NOT NULL DEFAULT now(),
+    args jsonb NOT NULL,
+    attempts integer NOT NULL DEFAULT 0,
+    lease_seconds double precision NOT NULL DEFAULT 60,
+    lease_token bigint NOT NULL DEFAULT 0,
+    leased_by text,
+    lease_expires_at timestamptz,
+    started_at timestamptz,
+    finished_at timestamptz
+);
+CREATE INDEX {MINIMAL_TABLE}_runnable ON {MINIMAL_TABLE} (priority DESC, run_at, id)
+    WHERE state = 'queued';
+"""
+
+SQLITE_MINIMAL_DDL = f"""
+DROP TABLE IF EXISTS {MINIMAL_TABLE};
+CREATE TABLE {MINIMAL_TABLE} (
+    id integer PRIMARY KEY AUTOINCREMENT,
+    state text NOT NULL DEFAULT 'queued',
+    priority integer NOT NULL DEFAULT 0,
+    run_at text NOT NULL DEFAULT (strftime('%Y-%m-%d %H:%M:%f', 'now')),
+    args text NOT NULL,
+    attempts integer NOT NULL DEFAULT 0,
+    lease_seconds real NOT NULL DEFAULT 60,
+    lease_token integer NOT NULL DEFAULT 0,
+    leased_by text,
+    lease_expires_at text,
+    started_at text,
+    finished_at text
+);
+CREATE INDEX {MINIMAL_TABLE}_runnable ON {MINIMAL_TABLE} (priority DESC, run_at, id)
+    WHERE state = 'queued';
+"""
+
+
+def seed_minimal(target: Target, n: int) -> None:
+    """(Re)create the minimal table with n queued jobs, analyzed (and checkpointed)."""
+    conn = target.connect()
+    try:
+        if target.vendor == "postgres":
+            conn.autocommit = True
+            conn.execute(PG_MINIMAL_DDL)
+            conn.execute(
+                f"INSERT INTO {MINIMAL_TABLE} (args) "
+                "SELECT jsonb_build_object('i', g) FROM generate_series(0, %s - 1) AS g",
+                (n,),
+            )
+            conn.execute(f"ANALYZE {MINIMAL_TABLE}")
+            conn.execute("CHECKPOINT")
+        else:
+            conn.executescript(SQLITE_MINIMAL_DDL)
+            conn.execute("BEGIN IMMEDIATE")
+            conn.executemany(
+                f"INSERT INTO {MINIMAL_TABLE} (args) VALUES (?)",
+                [(json.dumps({"i": i}),) for i in range(n)],
+            )
+            conn.execute("COMMIT")
+            conn.execute(f"ANALYZE {MINIMAL_TABLE}")
+            conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    finally:
+        conn.close()
+
+
 # --- the claim/complete loop -----------------------------------------------------------
 
 PG_CLAIM = """
@@ -166,11 +243,18 @@ WHERE id = ? AND state = 'running' AND lease_token = ?
 """
 
 
-def claim_complete_loop(target: Target, worker_id: str, barrier: Any) -> int:
+def claim_complete_loop(
+    target: Target, worker_id: str, barrier: Any, table: str = "jobs_job"
+) -> int:
     """Claim and complete jobs until none is runnable; returns how many it completed.
 
-    ``barrier`` (a multiprocessing.Barrier) makes concurrent loops start together.
+    ``barrier`` (a multiprocessing.Barrier) makes concurrent loops start together;
+    ``table`` is ``jobs_job`` (Holdfast's own) or ``MINIMAL_TABLE``.
     """
+    claim_sql, complete_sql = (
+        (PG_CLAIM, PG_COMPLETE) if target.vendor == "postgres" else (SQLITE_CLAIM, SQLITE_COMPLETE)
+    )
+    claim_sql, complete_sql = (q.replace("jobs_job", table) for q in (claim_sql, complete_sql))
     conn = target.connect()
     done = 0
     try:
@@ -178,13 +262,13 @@ def claim_complete_loop(target: Target, worker_id: str, barrier: Any) -> int:
         if target.vendor == "postgres":
             with conn.cursor() as cursor:
                 while True:
-                    cursor.execute(PG_CLAIM, (worker_id,))
+                    cursor.execute(claim_sql, (worker_id,))
                     row = cursor.fetchone()
                     conn.commit()
                     if row is None:
                         break
                     job_id, token, _args = row  # the "handler" does nothing
-                    cursor.execute(PG_COMPLETE, (job_id, token))
+                    cursor.execute(complete_sql, (job_id, token))
                     if cursor.rowcount != 1:
                         raise RuntimeError(f"lost the lease on job {job_id}")
                     conn.commit()
@@ -192,14 +276,14 @@ def claim_complete_loop(target: Target, worker_id: str, barrier: Any) -> int:
         else:
             while True:
                 conn.execute("BEGIN IMMEDIATE")
-                rows = conn.execute(SQLITE_CLAIM, (worker_id,)).fetchall()
+                rows = conn.execute(claim_sql, (worker_id,)).fetchall()
                 conn.execute("COMMIT")
                 if not rows:
                     break
                 job_id, token, args = rows[0]
                 json.loads(args)  # the driver does not decode JSON on SQLite; Holdfast does
                 conn.execute("BEGIN IMMEDIATE")
-                cursor = conn.execute(SQLITE_COMPLETE, (job_id, token))
+                cursor = conn.execute(complete_sql, (job_id, token))
                 if cursor.rowcount != 1:
                     raise RuntimeError(f"lost the lease on job {job_id}")
                 conn.execute("COMMIT")

@@ -1,6 +1,7 @@
 """Holdfast's benchmark: one command, its own scratch databases, one table of figures.
 
     .venv/bin/python bench/run.py [--db sqlite|postgres|both] [--jobs N] [--quick]
+                                  [--claim-scale F] [--history N]
 
 For each database it creates a scratch database (PostgreSQL: ``holdfast_bench`` on the
 server of ``BENCH_DATABASE_URL``, default ``postgres://postgres@127.0.0.1:5432``; SQLite: a
@@ -10,7 +11,13 @@ file in a temporary directory), migrates it with ``manage.py migrate``, and meas
   next to raw inserts of the same rows (one per commit; ``COPY``/``executemany`` in bulk);
 * processed jobs/s of a no-op handler with 1 and 2 real ``manage.py runworker --burst``
   processes, next to the raw claim/complete bound (``bench/raw.py``) with as many
-  processes, measured in the same run on the same table.
+  processes, measured in the same run on the same table, and on a minimal table of its
+  own (one partial index, only the columns the loop needs) as a second bound;
+* PostgreSQL only: row writes and WAL bytes per job of the one-process runs, the backends
+  of one running worker process, and the claim of one runnable job on an empty queue
+  against behind jobs blocked by a held lock, in a full lane, or delayed;
+* with ``--history N`` (PostgreSQL, off by default): claim, ``queue_status``, a metrics
+  scrape and ``prune_jobs`` batches with N finished jobs in the tables.
 
 Throughput is read from the timestamps the run wrote into the rows, not from process wall
 time, so Python and Django start-up are excluded: the window runs from the moment the
@@ -45,7 +52,14 @@ if str(ROOT) not in sys.path:
 
 import psycopg  # noqa: E402
 
-from bench.raw import Target, claim_complete_loop, insert_bulk, insert_single  # noqa: E402
+from bench.raw import (  # noqa: E402
+    MINIMAL_TABLE,
+    Target,
+    claim_complete_loop,
+    insert_bulk,
+    insert_single,
+    seed_minimal,
+)
 
 DEFAULT_SERVER = "postgres://postgres@127.0.0.1:5432/holdfast_bench"
 WORKER_TIMEOUT = 600
@@ -56,6 +70,20 @@ TARGET_SCALING = 1.8  # two workers x one worker
 TARGET_ENQUEUE_MANY = 50_000  # jobs/s
 TARGET_WAKE_P50_MS = 50.0  # an idle PostgreSQL worker claims a new job within this (p50)
 WAKE_SAMPLES = 40
+# Issue 16 (PostgreSQL only).
+TARGET_ONE_WORKER_MINIMAL = 1.0  # x the minimal-table raw bound with one process
+TARGET_CLAIM_WAITING = 1.5  # claim cost with non-runnable jobs waiting, x the empty queue
+TARGET_CLAIM_HISTORY = 1.2  # claim cost with finished history, x the empty table
+TARGET_READ_MS = 100.0  # queue_status, a metrics scrape
+TARGET_BACKENDS = 2  # PostgreSQL connections per worker process
+TARGET_WRITES_CUT = 0.30  # row writes and WAL bytes per job: at least this much below today's
+# Today's figures (issue 16's baseline: the engine as of the issue-12 merge, b0a35e7).
+# Row writes per job is a count, the same on any machine (job u2, lease i1 u1, jobevent i2,
+# attemptcount u1; dropping indexes does not change it). WAL bytes per job is to be
+# measured on a quiet server with the indexes migration 0005_i16 drops still in place;
+# None: not recorded yet, and the row says so.
+BASELINE_ROW_WRITES = 7.0
+BASELINE_WAL_BYTES: float | None = None
 
 
 # --- databases -------------------------------------------------------------------------
@@ -191,10 +219,74 @@ class Throughput:
     in_window: int  # jobs finished inside the window
     span: float  # first claim to last finish, seconds
     wall: float  # process start to the last exit, start-up included
+    writes: Writes | None = None  # row writes and WAL over the run (PostgreSQL, if asked)
 
     @property
     def span_rate(self) -> float:
         return self.jobs / self.span if self.span else 0.0
+
+
+@dataclass
+class Writes:
+    """Row writes (pg_stat_user_tables) and WAL bytes (pg_current_wal_lsn) over a run."""
+
+    wal: int  # bytes, cluster-wide
+    tables: dict[str, tuple[int, int, int, int]]  # table -> (ins, upd, del, hot_upd)
+
+    @property
+    def rows(self) -> int:
+        return sum(ins + upd + dele for ins, upd, dele, _ in self.tables.values())
+
+    def per_job(self, jobs: int) -> str:
+        parts = []
+        for table, (ins, upd, dele, hot) in sorted(self.tables.items()):
+            got = [
+                f"{label}{n / jobs:.2g}" for label, n in (("i", ins), ("u", upd), ("d", dele)) if n
+            ]
+            if upd:
+                got.append(f"hot {hot / jobs:.2g}")
+            if got:
+                parts.append(f"{table.removeprefix('jobs_')} " + " ".join(got))
+        return "; ".join(parts)
+
+
+COUNTERS = """
+SELECT relname, n_tup_ins, n_tup_upd, n_tup_del, n_tup_hot_upd FROM pg_stat_user_tables
+"""
+
+
+def pg_counters(db: Database) -> tuple[int, dict[str, tuple[int, int, int, int]]]:
+    """(WAL position in bytes, per-table row counters), from a fresh connection.
+
+    Backends report their counters when they go idle (at most once a second) and when they
+    exit; this reads until two reads 0.3 s apart agree (at most 5 s), so the exits of the
+    measured processes have been counted.
+    """
+    deadline = time.monotonic() + 5
+    last: dict[str, tuple[int, int, int, int]] | None = None
+    while True:
+        conn = db.target.connect()
+        try:
+            conn.autocommit = True
+            lsn = conn.execute("SELECT pg_current_wal_lsn() - '0/0'::pg_lsn").fetchone()[0]
+            tables = {r[0]: tuple(r[1:]) for r in conn.execute(COUNTERS).fetchall()}
+        finally:
+            conn.close()
+        if tables == last or time.monotonic() > deadline:
+            return int(lsn), tables  # type: ignore[return-value]
+        last = tables
+        time.sleep(0.3)
+
+
+def writes_since(db: Database, before: tuple[int, dict[str, tuple[int, int, int, int]]]) -> Writes:
+    lsn, tables = pg_counters(db)
+    delta = {}
+    for table, now in tables.items():
+        was = before[1].get(table, (0, 0, 0, 0))
+        diff = tuple(a - b for a, b in zip(now, was, strict=True))
+        if any(diff):
+            delta[table] = diff
+    return Writes(lsn - before[0], delta)  # type: ignore[arg-type]
 
 
 def _ts(value: Any) -> float:
@@ -233,19 +325,27 @@ def fetch(db: Database, sql: str) -> list[tuple[Any, ...]]:
         conn.close()
 
 
-def check_drained(db: Database, n: int) -> None:
-    counts = dict(fetch(db, "SELECT state, count(*) FROM jobs_job GROUP BY state"))
+def check_drained(db: Database, n: int, table: str = "jobs_job") -> None:
+    counts = dict(fetch(db, f"SELECT state, count(*) FROM {table} GROUP BY state"))
     if counts != {"succeeded": n}:
         raise RuntimeError(f"expected {n} succeeded jobs, found {counts}")
 
 
-def raw_workers(db: Database, n: int, workers: int) -> Throughput:
-    reset(db, analyze_after_seed=n)
+def raw_workers(
+    db: Database, n: int, workers: int, table: str = "jobs_job", counters: bool = False
+) -> Throughput:
+    """The raw claim/complete loop in ``workers`` processes on ``table``: Holdfast's own
+    ``jobs_job`` or the minimal table (``bench/raw.py``)."""
+    if table == "jobs_job":
+        reset(db, analyze_after_seed=n)
+    else:
+        seed_minimal(db.target, n)
+    before = pg_counters(db) if counters else None
     ctx = multiprocessing.get_context("spawn")
     barrier = ctx.Barrier(workers)
     start = time.perf_counter()
     procs = [
-        ctx.Process(target=claim_complete_loop, args=(db.target, f"raw-{i}", barrier))
+        ctx.Process(target=claim_complete_loop, args=(db.target, f"raw-{i}", barrier, table))
         for i in range(workers)
     ]
     for proc in procs:
@@ -255,15 +355,24 @@ def raw_workers(db: Database, n: int, workers: int) -> Throughput:
         if proc.exitcode != 0:
             raise RuntimeError(f"raw worker exited with {proc.exitcode}")
     wall = time.perf_counter() - start
-    check_drained(db, n)
-    rows = fetch(db, "SELECT leased_by, started_at, finished_at FROM jobs_job")
-    return throughput(rows, wall)
+    writes = writes_since(db, before) if before is not None else None
+    check_drained(db, n, table)
+    rows = fetch(db, f"SELECT leased_by, started_at, finished_at FROM {table}")
+    got = throughput(rows, wall)
+    got.writes = writes
+    return got
 
 
 def holdfast_workers(
-    db: Database, tmp: Path, n: int, workers: int, log_level: str = "WARNING"
+    db: Database,
+    tmp: Path,
+    n: int,
+    workers: int,
+    log_level: str = "WARNING",
+    counters: bool = False,
 ) -> Throughput:
     reset(db, analyze_after_seed=n)
+    before = pg_counters(db) if counters else None
     env = django_env(db, tmp, log_level)
     logs = [tmp / f"worker-{db.vendor}-{workers}-{i}-{log_level}.log" for i in range(workers)]
     start = time.perf_counter()
@@ -292,12 +401,15 @@ def holdfast_workers(
             tail = log_path.read_text()[-3000:]
             raise RuntimeError(f"runworker exited with {code}:\n{tail}")
     wall = time.perf_counter() - start
+    writes = writes_since(db, before) if before is not None else None
     check_drained(db, n)
     rows = fetch(
         db,
         "SELECT worker_id, acquired_at, released_at FROM jobs_lease WHERE outcome = 'succeeded'",
     )
-    return throughput(rows, wall)
+    got = throughput(rows, wall)
+    got.writes = writes
+    return got
 
 
 def wake_latency(db: Database, tmp: Path, samples: int) -> list[float]:
@@ -361,9 +473,13 @@ class Row:
     bound: float | None = None  # the raw figure this one is compared with
     note: str = ""
     checks: list[tuple[str, bool]] = field(default_factory=list)
+    factor: float | None = None  # the x column of a row that is not a rate (a cost ratio)
+    latency: float | None = None  # seconds per operation, for a row that is not a rate
 
     @property
     def ratio(self) -> float | None:
+        if self.factor is not None:
+            return self.factor
         return self.rate / self.bound if self.bound else None
 
 
@@ -376,6 +492,8 @@ class Options:
     info_logging: bool
     profile: bool
     keep: bool
+    claim_scale: float = 1.0  # x the issue's sizes (50,000 / 50,000 / 400,000) for claim rows
+    history: int = 0  # finished jobs for the --history rows (0: none)
 
 
 def measure(db: Database, tmp: Path, opts: Options, say: Any) -> tuple[list[Row], str]:
@@ -424,27 +542,46 @@ def measure(db: Database, tmp: Path, opts: Options, say: Any) -> tuple[list[Row]
     hold: dict[int, Throughput] = {}
     for workers in (1, 2):
         # Alternate raw and Holdfast runs so both sample the same machine conditions.
-        raw_runs, hold_runs = [], []
+        raw_runs, hold_runs, minimal_runs = [], [], []
         for attempt in range(opts.repeat):
             round_note = f" (round {attempt + 1} of {opts.repeat})" if opts.repeat > 1 else ""
             say(
                 f"[{db.vendor}] raw claim/complete bound, {workers} process(es), "
                 f"{opts.jobs} jobs{round_note}"
             )
-            raw_runs.append(raw_workers(db, opts.jobs, workers))
+            count = pg and workers == 1  # row writes and WAL of the one-process runs
+            raw_runs.append(raw_workers(db, opts.jobs, workers, counters=count))
+            say(
+                f"[{db.vendor}] raw claim/complete bound on the minimal table, "
+                f"{workers} process(es), {opts.jobs} jobs{round_note}"
+            )
+            minimal_runs.append(raw_workers(db, opts.jobs, workers, MINIMAL_TABLE, count))
             say(f"[{db.vendor}] runworker --burst x {workers}, {opts.jobs} jobs{round_note}")
-            hold_runs.append(holdfast_workers(db, tmp, opts.jobs, workers))
+            hold_runs.append(holdfast_workers(db, tmp, opts.jobs, workers, counters=count))
         raw, got = median_of(raw_runs), median_of(hold_runs)
+        minimal = median_of(minimal_runs)
         hold[workers] = got
+        plural = "es" if workers > 1 else ""
         rows.append(
             Row(
                 db.vendor,
-                f"raw bound: {workers} process{'es' if workers > 1 else ''}",
+                f"raw bound: {workers} process{plural}",
                 raw.jobs,
                 raw.window,
                 raw.rate,
                 raw.rate,
                 _window_note(raw, workers),
+            )
+        )
+        rows.append(
+            Row(
+                db.vendor,
+                f"raw bound, minimal table: {workers} process{plural}",
+                minimal.jobs,
+                minimal.window,
+                minimal.rate,
+                raw.rate,
+                f"{MINIMAL_TABLE}: one partial index; {_window_note(minimal, workers)}",
             )
         )
         row = Row(
@@ -456,11 +593,19 @@ def measure(db: Database, tmp: Path, opts: Options, say: Any) -> tuple[list[Row]
             raw.rate,
             _window_note(got, workers),
         )
+        to_minimal = got.rate / minimal.rate if minimal.rate else 0.0
+        row.note += f"; {to_minimal:.2f}x the minimal-table bound ({minimal.rate:,.0f}/s)"
         if pg and workers == 1:
             row.checks.append(
                 (
                     f"≥ {TARGET_ONE_WORKER:.2f}x bound",
                     row.ratio is not None and row.ratio >= TARGET_ONE_WORKER,
+                )
+            )
+            row.checks.append(
+                (
+                    f"≥ {TARGET_ONE_WORKER_MINIMAL:.2f}x minimal bound",
+                    to_minimal >= TARGET_ONE_WORKER_MINIMAL,
                 )
             )
         if workers == 2:
@@ -472,6 +617,8 @@ def measure(db: Database, tmp: Path, opts: Options, say: Any) -> tuple[list[Row]
                     (f"≥ {TARGET_SCALING:.2f}x one worker", scaling >= TARGET_SCALING)
                 )
         rows.append(row)
+        if pg and workers == 1:
+            rows.append(writes_row(db, got, raw, minimal))
 
     if opts.info_logging:
         say(f"[{db.vendor}] runworker x 1 with LOG_LEVEL=INFO, {opts.jobs} jobs")
@@ -506,6 +653,16 @@ def measure(db: Database, tmp: Path, opts: Options, say: Any) -> tuple[list[Row]
         wake_row.checks.append((f"p50 ≤ {TARGET_WAKE_P50_MS:.0f} ms", p50 <= TARGET_WAKE_P50_MS))
     rows.append(wake_row)
 
+    if pg:
+        say(f"[{db.vendor}] PostgreSQL backends of one running worker process")
+        rows.append(backends_row(db, tmp))
+        sizes = [round(n * opts.claim_scale) for n in CLAIM_SIZES]
+        say(f"[{db.vendor}] claim cost with {', '.join(f'{n:,}' for n in sizes)} jobs waiting")
+        rows += claim_rows(db, tmp, sizes)
+        if opts.history:
+            say(f"[{db.vendor}] history: {opts.history:,} finished jobs (bulk SQL)")
+            rows += history_rows(db, tmp, opts.history)
+
     report = ""
     if opts.profile:
         say(f"[{db.vendor}] profiling WorkerProcess(burst=True) in-process, {opts.jobs} jobs")
@@ -519,6 +676,222 @@ def measure(db: Database, tmp: Path, opts: Options, say: Any) -> tuple[list[Row]
             + result["report"]
         )
     return rows, report
+
+
+# --- issue 16: writes, connections, claim cost, history (PostgreSQL) --------------------
+
+CLAIM_SIZES = (50_000, 50_000, 400_000)  # blocked by a lock, in a full lane, delayed
+
+
+def writes_row(db: Database, got: Throughput, raw: Throughput, minimal: Throughput) -> Row:
+    """Row writes and WAL bytes per job of the one-worker run, beside the raw loops'."""
+    assert got.writes and raw.writes and minimal.writes
+    jobs = got.jobs
+    rows_per_job = got.writes.rows / jobs
+    wal_per_job = got.writes.wal / jobs
+    raw_rows, raw_wal = raw.writes.rows / raw.jobs, raw.writes.wal / raw.jobs
+    row = Row(
+        db.vendor,
+        "row writes, WAL per job: runworker x 1",
+        jobs,
+        0.0,
+        0.0,
+        None,
+        f"{rows_per_job:.2f} row writes/job ({got.writes.per_job(jobs)}), "
+        f"{wal_per_job:,.0f} WAL bytes/job; raw loop {raw_rows:.2f} rows, {raw_wal:,.0f} B; "
+        f"minimal table {minimal.writes.rows / minimal.jobs:.2f} rows, "
+        f"{minimal.writes.wal / minimal.jobs:,.0f} B (WAL is cluster-wide)",
+        factor=rows_per_job / raw_rows if raw_rows else None,
+    )
+    cut = 1 - TARGET_WRITES_CUT
+    row.checks.append(
+        (
+            f"rows ≤ {cut:.2f}x today's {BASELINE_ROW_WRITES:.2f}",
+            rows_per_job <= cut * BASELINE_ROW_WRITES,
+        )
+    )
+    if BASELINE_WAL_BYTES is None:
+        row.checks.append((f"WAL ≤ {cut:.2f}x today's (no baseline recorded)", False))
+    else:
+        row.checks.append(
+            (
+                f"WAL ≤ {cut:.2f}x today's {BASELINE_WAL_BYTES:,.0f} B",
+                wal_per_job <= cut * BASELINE_WAL_BYTES,
+            )
+        )
+    return row
+
+
+BACKENDS_APP = "holdfast-bench-backends"  # PGAPPNAME of the counted worker
+BACKENDS = f"""
+SELECT count(*) FROM pg_stat_activity
+WHERE datname = current_database() AND application_name = '{BACKENDS_APP}'
+"""
+
+
+def backends_row(db: Database, tmp: Path) -> Row:
+    """PostgreSQL backends of one ``runworker`` (not ``--burst``): idle, then while it runs
+    a job. The worker runs with ``PGAPPNAME`` set, so libpq names each of its connections
+    (``application_name``); the highest count over about 1.5 s is taken in each phase."""
+    reset(db)
+    log_path = tmp / "worker-postgres-backends.log"
+    env = django_env(db, tmp)
+    env["PGAPPNAME"] = BACKENDS_APP
+    with open(log_path, "w") as log_file:
+        worker = subprocess.Popen(
+            [sys.executable, "manage.py", "runworker", "--worker-id", "bench-backends"],
+            cwd=ROOT,
+            env=env,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+        )
+
+    def wait_for(query: str, what: str) -> None:
+        deadline = time.monotonic() + 30
+        while not fetch(db, query):
+            if time.monotonic() > deadline or worker.poll() is not None:
+                raise RuntimeError(f"worker {what}:\n{log_path.read_text()[-3000:]}")
+            time.sleep(0.1)
+
+    def most() -> int:
+        seen = 0
+        for _ in range(8):
+            seen = max(seen, fetch(db, BACKENDS)[0][0])
+            time.sleep(0.2)
+        return seen
+
+    try:
+        wait_for("SELECT 1 FROM jobs_worker WHERE stopped_at IS NULL", "did not start")
+        time.sleep(1.0)
+        idle = most()
+        conn = db.target.connect()
+        try:
+            conn.execute(
+                "INSERT INTO jobs_job (kind, lane, args, priority, state, attempts, max_attempts,"
+                " lease_seconds, lease_token, cancel_requested, last_error, locks)"
+                " VALUES ('bench.sleep', 'default', '{\"seconds\": 4}', 0, 'queued', 0, 1,"
+                " 60, 0, false, '', '[]')"
+            )
+            conn.execute("SELECT pg_notify('holdfast_jobs', 'default')")
+            conn.commit()
+        finally:
+            conn.close()
+        wait_for("SELECT 1 FROM jobs_job WHERE state = 'running'", "did not claim the job")
+        time.sleep(0.5)  # past the heartbeat's first beat
+        busy = most()
+    finally:
+        worker.terminate()
+        worker.wait(30)
+    row = Row(
+        db.vendor,
+        "PostgreSQL backends per worker process",
+        1,
+        0.0,
+        0.0,
+        None,
+        f"{busy} while it runs a job, {idle} idle (pg_stat_activity by application_name)",
+    )
+    row.checks.append((f"≤ {TARGET_BACKENDS} running a job", busy <= TARGET_BACKENDS))
+    return row
+
+
+def _latency_row(
+    db: Database, what: str, waiting: int, got: dict[str, Any], empty: float, target: float
+) -> Row:
+    factor = got["median"] / empty if empty else None
+    row = Row(
+        db.vendor,
+        what,
+        waiting,
+        0.0,
+        0.0,
+        None,
+        f"median {got['median'] * 1000:.2f} ms, p90 {got['p90'] * 1000:.2f} ms "
+        f"of {got['samples']}; empty {empty * 1000:.2f} ms",
+        factor=factor,
+        latency=got["median"],
+    )
+    row.checks.append((f"≤ {target:.2f}x empty", factor is not None and factor <= target))
+    return row
+
+
+def claim_rows(db: Database, tmp: Path, sizes: list[int]) -> list[Row]:
+    """The claim of one runnable job: empty queue, then behind each kind of waiting job."""
+    blocked, _, _ = sizes
+    got = inproc(db, tmp, "claim-cost", blocked)
+    empty = got["empty"]["median"]
+    rows = [
+        Row(
+            db.vendor,
+            "claim: otherwise empty queue",
+            0,
+            0.0,
+            0.0,
+            None,
+            f"median {empty * 1000:.2f} ms, p90 {got['empty']['p90'] * 1000:.2f} ms "
+            f"of {got['empty']['samples']} (engine.claim, one runnable job)",
+            latency=empty,
+        )
+    ]
+    for key, what in (
+        ("blocked", "claim: jobs blocked by a held lock"),
+        ("full_lane", "claim: jobs in a lane at max_running"),
+        ("delayed", "claim: delayed jobs, higher priority"),
+    ):
+        rows.append(
+            _latency_row(db, what, got[key]["waiting"], got[key], empty, TARGET_CLAIM_WAITING)
+        )
+    return rows
+
+
+def history_rows(db: Database, tmp: Path, n: int) -> list[Row]:
+    """``--history N``: what N finished jobs (with leases and events) cost the live paths."""
+    got = inproc(db, tmp, "history", n)
+    empty, full, prune = got["empty"], got["full"], got["prune"]
+    rows = [
+        _latency_row(
+            db,
+            "history: claim",
+            n,
+            full["claim"],
+            empty["claim"]["median"],
+            TARGET_CLAIM_HISTORY,
+        )
+    ]
+    rows[0].note += f"; filled in {got['fill_seconds']:.1f} s"
+    for key, what in (("queue_status", "history: queue_status"), ("scrape", "history: scrape")):
+        ms = full[key]["median"] * 1000
+        row = Row(
+            db.vendor,
+            what,
+            n,
+            0.0,
+            0.0,
+            None,
+            f"median {ms:.1f} ms of {full[key]['samples']}; "
+            f"empty table {empty[key]['median'] * 1000:.1f} ms"
+            + ("" if key == "queue_status" else " (ops.metrics collector, in-process)"),
+            factor=full[key]["median"] / empty[key]["median"] if empty[key]["median"] else None,
+            latency=full[key]["median"],
+        )
+        row.checks.append((f"≤ {TARGET_READ_MS:.0f} ms", ms <= TARGET_READ_MS))
+        rows.append(row)
+    batches = prune["batches"]
+    note = f"deleted {prune['deleted']:,} (the oldest day) in {len(batches)} batches"
+    row = Row(db.vendor, f"history: prune_jobs, batch {prune['batch']:,}", n, 0.0, 0.0, None)
+    if batches:
+        first, last = batches[0], batches[-1]
+        mid = sorted(batches)[len(batches) // 2]
+        row.latency = mid
+        row.factor = last / first if first else None
+        note += (
+            f": first {first * 1000:.1f} ms, last {last * 1000:.1f} ms, "
+            f"median {mid * 1000:.1f} ms; x = last / first"
+        )
+        row.checks.append(("constant: last ≤ 1.50x first", last <= 1.5 * first))
+    row.note = note
+    rows.append(row)
+    return rows
 
 
 def _window_note(t: Throughput, workers: int) -> str:
@@ -537,7 +910,7 @@ def render(rows: list[Row], headers: list[str]) -> str:
                 r.db,
                 r.what,
                 f"{r.jobs:,}",
-                f"{r.seconds:.2f}" if r.rate else "",
+                f"{r.seconds:.2f}" if r.rate else ("" if r.latency is None else f"{r.latency:.4f}"),
                 f"{r.rate:,.0f}" if r.rate else "",
                 "" if r.ratio is None else f"{r.ratio:.2f}",
                 target,
@@ -590,6 +963,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--keep", action="store_true", help="keep the scratch databases (PostgreSQL) and temp dir"
     )
+    parser.add_argument(
+        "--claim-scale",
+        type=float,
+        help="claim-cost rows at this fraction of 50,000 / 50,000 / 400,000 waiting jobs "
+        "(default 1; --quick: 0.1)",
+    )
+    parser.add_argument(
+        "--history",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also fill N finished jobs (leases, events) and measure claim, queue_status, "
+        "a metrics scrape and prune_jobs on them (PostgreSQL; not run by default)",
+    )
     args = parser.parse_args(argv)
     quick = args.quick
     opts = Options(
@@ -600,6 +987,8 @@ def main(argv: list[str] | None = None) -> int:
         info_logging=not (quick or args.no_info_logging),
         profile=args.profile,
         keep=args.keep,
+        claim_scale=args.claim_scale or (0.1 if quick else 1.0),
+        history=max(0, args.history),
     )
 
     def say(message: str) -> None:

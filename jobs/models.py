@@ -107,8 +107,9 @@ class Lease(models.Model):
     """One claim of a job: the record of that attempt, kept after it ends."""
 
     # The database deletes a job's attempts with it: pruning is one DELETE, not a Python
-    # loop over every attempt row.
-    job = models.ForeignKey(Job, on_delete=models.DB_CASCADE, related_name="leases")
+    # loop over every attempt row. No index of its own: the unique (job, lease_token)
+    # serves every lookup by job (and the cascade).
+    job = models.ForeignKey(Job, on_delete=models.DB_CASCADE, related_name="leases", db_index=False)
     attempt = models.PositiveIntegerField()
     lease_token = models.BigIntegerField()
     worker_id = models.CharField(max_length=200)
@@ -140,6 +141,9 @@ class JobLock(models.Model):
     than the reclaim interval.
     """
 
+    # Only ever compared for equality: the primary key's index serves it. Migration
+    # 0005_i16 drops the varchar_pattern_ops ("_like") index Django adds on PostgreSQL; an
+    # AlterField of this column would re-create it (drop it again in the same migration).
     resource = models.CharField(max_length=255, primary_key=True)
     job = models.ForeignKey(Job, on_delete=models.DB_CASCADE, related_name="held_locks")
     lease_token = models.BigIntegerField()
@@ -156,7 +160,8 @@ class JobEvent(models.Model):
     describes, so the log has no gaps and no events for changes that rolled back.
     """
 
-    job = models.ForeignKey(Job, on_delete=models.DB_CASCADE, related_name="events")
+    # No index of its own: jobevent_job_idx (job, id) serves every lookup by job.
+    job = models.ForeignKey(Job, on_delete=models.DB_CASCADE, related_name="events", db_index=False)
     at = models.DateTimeField(db_default=Now())
     event = models.CharField(max_length=32)
     lease_token = models.BigIntegerField(null=True, blank=True)

@@ -7,7 +7,7 @@ from django.db import connection
 
 from jobs import engine
 from jobs.models import Job, State
-from jobs.sql import PG_CLAIM
+from jobs.sql import PG_CLAIM, PG_RECLAIM
 
 pytestmark = [pytest.mark.django_db, pytest.mark.postgres]
 
@@ -32,3 +32,82 @@ def test_claim_reads_only_runnable_rows_in_claim_order(lanes):
     assert "job_claim_idx" in plan or "job_claim_any_lane_idx" in plan, plan
     assert not re.search(r"Seq Scan on jobs_job\b", plan), plan
     assert "Sort" not in plan.split("CTE claimed")[0], plan  # index order, no sort
+
+
+def plan_of(sql: str, params: dict | None = None, seqscan: bool = True) -> str:
+    with connection.cursor() as cursor:
+        if seqscan:  # a plan from real statistics (ANALYZE's row counts outlive rollback)
+            cursor.execute("ANALYZE jobs_job")
+        else:  # "can an index serve it at all": small tables would seq-scan
+            cursor.execute("SET LOCAL enable_seqscan = off")
+        cursor.execute("EXPLAIN " + sql, params or {})
+        plan = "\n".join(row[0] for row in cursor.fetchall())
+        cursor.execute("RESET enable_seqscan")
+        return plan
+
+
+def test_reclaim_reads_only_running_rows_by_expiry():
+    """With 20,000 finished jobs, 3,000 running ones (one expired) and a backlog, reclaim
+    walks the partial expiry index, never the table."""
+    jobs = engine.enqueue_many("test.noop", [{} for _ in range(26_000)])
+    ids = [job.pk for job in jobs]
+    Job.objects.filter(pk__in=ids[:20_000]).update(state=State.SUCCEEDED)
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "UPDATE jobs_job SET state = 'running', lease_token = 1, leased_by = 'w',"
+            " lease_expires_at = now() + (CASE WHEN id = %s THEN -1 ELSE 60 END)"
+            " * interval '1 minute' WHERE id = ANY(%s)",
+            [ids[20_000], ids[20_000:23_000]],
+        )
+    params = {"limit": 100, "job_id": None, "cancel": False, "actor": "reclaimer"}
+    plan = plan_of(PG_RECLAIM, params)
+    assert "job_lease_expiry_idx" in plan, plan
+    assert not re.search(r"Seq Scan on jobs_job\b", plan), plan
+
+
+def test_no_redundant_indexes():
+    """Issue 16: no single-column index beside a composite one that leads with it, and no
+    pattern-ops index of the lock name (only ever compared for equality)."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT tablename, indexdef FROM pg_indexes WHERE schemaname = current_schema()"
+            " AND tablename IN ('jobs_lease', 'jobs_jobevent', 'jobs_joblock')"
+        )
+        indexes = cursor.fetchall()
+    defs = {table: [d for t, d in indexes if t == table] for table, _ in indexes}
+    assert [d for d in defs["jobs_lease"] if "(job_id)" in d] == [], defs
+    assert [d for d in defs["jobs_jobevent"] if "(job_id)" in d] == [], defs
+    assert [d for d in defs["jobs_joblock"] if "pattern_ops" in d] == [], defs
+
+
+LOOKUPS = [
+    # the statement that reads by job (or resource), and the index that must serve it
+    ("SELECT * FROM jobs_jobevent WHERE job_id = 1 ORDER BY id", "jobevent_job_idx"),
+    ("DELETE FROM jobs_jobevent WHERE job_id = ANY('{1,2}')", "jobevent_job_idx"),
+    ("SELECT * FROM jobs_lease WHERE job_id = 1 ORDER BY lease_token", "lease_job_token_unique"),
+    (
+        "SELECT * FROM jobs_lease WHERE job_id = 1 AND outcome = 'released'",
+        "lease_job_token_unique",
+    ),
+    ("DELETE FROM jobs_lease WHERE job_id = ANY('{1,2}')", "lease_job_token_unique"),
+    (
+        "SELECT * FROM jobs_lease WHERE job_id = 1 AND lease_token = 2",
+        "lease_job_token_unique",
+    ),
+    (
+        "SELECT 1 FROM jobs_joblock WHERE resource IN (SELECT jsonb_array_elements_text("
+        '\'["source:a", "source:b"]\'::jsonb))',
+        "jobs_joblock_pkey",
+    ),
+    ("DELETE FROM jobs_joblock WHERE job_id = 1 AND lease_token = 2", "jobs_joblock_job_id"),
+]
+
+
+@pytest.mark.parametrize("sql,index", LOOKUPS)
+def test_lookups_keep_an_index(sql, index):
+    """Every lookup the dropped indexes could have served (the ORM's by-job reads, the
+    cascade of a job's delete, the claim's lock test, the settle's lock release) has an
+    index that serves it."""
+    plan = plan_of(sql, seqscan=False)
+    assert index in plan, plan
+    assert "Seq Scan" not in plan, plan
