@@ -80,7 +80,7 @@ TARGET_WRITES_CUT = 0.30  # row writes and WAL bytes per job: at least this much
 # Today's figures (issue 16's baseline: the engine as of the issue-12 merge, b0a35e7).
 # Row writes per job is a count, the same on any machine (job u2, lease i1 u1, jobevent i2,
 # attemptcount u1; dropping indexes does not change it). WAL bytes per job is to be
-# measured on a quiet server with the indexes migration 0005_i16 drops still in place;
+# measured on a quiet server with the indexes migration 0006_i16 drops still in place;
 # None: not recorded yet, and the row says so.
 BASELINE_ROW_WRITES = 7.0
 BASELINE_WAL_BYTES: float | None = None

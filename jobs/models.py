@@ -142,7 +142,7 @@ class JobLock(models.Model):
     """
 
     # Only ever compared for equality: the primary key's index serves it. Migration
-    # 0005_i16 drops the varchar_pattern_ops ("_like") index Django adds on PostgreSQL; an
+    # 0006_i16 drops the varchar_pattern_ops ("_like") index Django adds on PostgreSQL; an
     # AlterField of this column would re-create it (drop it again in the same migration).
     resource = models.CharField(max_length=255, primary_key=True)
     job = models.ForeignKey(Job, on_delete=models.DB_CASCADE, related_name="held_locks")

@@ -74,7 +74,7 @@ class Migration(migrations.Migration):
     atomic = False  # DROP INDEX CONCURRENTLY cannot run in a transaction
 
     dependencies = [
-        ("jobs", "0004_i12a_worker_kinds"),
+        ("jobs", "0005_i15_job_counts"),
     ]
 
     operations = [
