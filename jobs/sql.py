@@ -25,7 +25,9 @@ Everything else in the engine is ORM.
 
 from __future__ import annotations
 
+import functools
 import json
+import re
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -912,9 +914,31 @@ def _pg_prepared(query: str, params: dict[str, Any]) -> Any:
         raw.prepare_threshold = 2**31 - 1  # only prepare=True statements get prepared
     elif not prepare and raw.prepare_threshold is not None:
         raw.prepare_threshold = None  # psycopg prepares nothing on this connection
-    with connection.wrap_database_errors, psycopg.Cursor(raw) as cursor:
-        cursor.execute(query, params, prepare=prepare)
+    text, names = _native(query)
+    with connection.wrap_database_errors, psycopg.RawCursor(raw) as cursor:
+        cursor.execute(text, [params[name] for name in names], prepare=prepare)
         return cursor.fetchone()
+
+
+@functools.lru_cache(maxsize=256)  # one entry per statement and lane filter
+def _native(query: str) -> tuple[str, tuple[str, ...]]:
+    """``query`` with PostgreSQL's own ``$n`` placeholders for its ``%(name)s`` ones, and
+    the names in ``$n`` order, converted once per statement.
+
+    psycopg converts named placeholders on every execution and caches that only for
+    statements up to 4 KiB; the fused settle-and-claim is longer, and re-parsing it cost
+    a fifth of a worker's CPU per job. A ``RawCursor`` takes the ``$n`` form as it is.
+    """
+    names: list[str] = []
+
+    def number(match: re.Match[str]) -> str:
+        if match.group(0) == "%%":
+            return "%"
+        if match.group(1) not in names:
+            names.append(match.group(1))
+        return f"${names.index(match.group(1)) + 1}"
+
+    return re.sub(r"%%|%\((\w+)\)s", number, query), tuple(names)
 
 
 def prepared_statements() -> bool:
