@@ -493,7 +493,9 @@ def test_a_scheduled_discovery_gives_way_to_a_manual_one(site, hooks, run_worker
     assert first_slot.result == {"skipped": f"discovery job {manual.pk} is already queued"}
     assert site.requests == [] and not DiscoveryRun.objects.exists()
     # A slot queued behind the manual job runs after it, and finds the source just read.
-    Job.objects.filter(pk=manual.pk).update(run_at=engine.db_now())
+    # A second earlier: SQLite's now() (enqueue) has millisecond precision, db_now() has
+    # microseconds, so "now" for both could put the later slot first within one millisecond.
+    Job.objects.filter(pk=manual.pk).update(run_at=engine.db_now() - timedelta(seconds=1))
     second_slot = scheduler.run_now("discover:docs")
     run_worker()
     manual.refresh_from_db()
