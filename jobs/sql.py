@@ -146,11 +146,6 @@ def _bucket(seconds: str) -> str:
 
 
 SHARDS = ATTEMPT_COUNT_SHARDS
-# An attempt's duration, claim to now, on the database clock (the lease row of job_id, token).
-PG_ATTEMPT_SECONDS = """
-SELECT greatest(0, extract(epoch FROM statement_timestamp() - acquired_at))::float8 AS s
-FROM jobs_lease WHERE job_id = %(job_id)s::bigint AND lease_token = %(token)s::bigint"""
-
 # The settle, as CTEs: fenced by state and lease token; the lease row, the lock release,
 # the event, the attempt counter (metrics) and, into a finished state, the lane's count of
 # jobs in that state (jobs_jobcount) are written only if the job row was.
@@ -176,7 +171,8 @@ settled AS (
         error_class = %(error_class)s::text, error_message = %(error_message)s::text,
         traceback = %(traceback)s::text, context = %(context)s::jsonb
     WHERE id = %(lease_id)s::bigint AND EXISTS (SELECT 1 FROM settled)
-    RETURNING worker_id
+    RETURNING worker_id,
+              greatest(0, extract(epoch FROM statement_timestamp() - acquired_at))::float8 AS s
 ), released_locks AS (
     DELETE FROM jobs_joblock
     WHERE job_id = %(job_id)s::bigint AND lease_token = %(token)s::bigint
@@ -191,7 +187,7 @@ settled AS (
     INSERT INTO jobs_attemptcount (kind, outcome, bucket, shard, count, seconds)
     SELECT %(kind)s::text, %(outcome)s::text, {_bucket("took.s")}, mod(pg_backend_pid(), {SHARDS}),
            1, took.s
-    FROM settled CROSS JOIN ({PG_ATTEMPT_SECONDS}) AS took
+    FROM settled_lease AS took  -- the attempt's duration, from the lease row it just wrote
     ON CONFLICT (kind, outcome, bucket, shard) DO UPDATE SET
         count = jobs_attemptcount.count + 1, seconds = jobs_attemptcount.seconds + EXCLUDED.seconds
 ), finished_count AS (
@@ -309,7 +305,7 @@ WHERE id = %(job_id)s AND state = 'running' AND lease_token = %(token)s
 RETURNING cancel_requested
 """
 
-# The attempt counters (metrics): one upsert per ended attempt, in its settle's transaction.
+# The attempt counters (metrics): one upsert per settled attempt, in its settle's transaction.
 SQLITE_COUNT_ATTEMPT = f"""
 INSERT INTO jobs_attemptcount (kind, outcome, bucket, shard, count, seconds)
 SELECT %(kind)s, %(outcome)s, {_bucket("took.s")}, 0, 1, took.s
@@ -319,29 +315,6 @@ WHERE true
 ON CONFLICT (kind, outcome, bucket, shard) DO UPDATE SET
     count = count + 1, seconds = seconds + excluded.seconds
 """
-
-PG_COUNT_ATTEMPT = f"""
-INSERT INTO jobs_attemptcount (kind, outcome, bucket, shard, count, seconds)
-SELECT %(kind)s::text, %(outcome)s::text, {_bucket("took.s")}, mod(pg_backend_pid(), {SHARDS}),
-       1, took.s
-FROM ({PG_ATTEMPT_SECONDS}) AS took
-ON CONFLICT (kind, outcome, bucket, shard) DO UPDATE SET
-    count = jobs_attemptcount.count + 1, seconds = jobs_attemptcount.seconds + EXCLUDED.seconds
-"""
-
-
-def count_attempt(kind: str, outcome: str, job_id: int, lease_token: int) -> None:
-    """Count an attempt ended outside the settle statement (reclaim), in the caller's
-    transaction."""
-    statement = PG_COUNT_ATTEMPT if is_postgres() else SQLITE_COUNT_ATTEMPT
-    params: dict[str, Any] = {
-        "kind": kind,
-        "outcome": outcome,
-        "job_id": job_id,
-        "token": lease_token,
-    }
-    with connection.cursor() as cursor:
-        cursor.execute(statement, params)
 
 
 # The finished jobs' counts (jobs_jobcount): add ``delta`` jobs of (lane, state), in the

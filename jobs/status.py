@@ -96,11 +96,8 @@ def queue_status() -> dict[str, Any]:
         for job in Job.objects.filter(state=State.RUNNING).order_by("lease_expires_at")[:200]
     ]
     liveness = worker_liveness(now)
-    live = [
-        worker
-        for worker in Worker.objects.filter(stopped_at__isnull=True)
-        if liveness.status(worker.heartbeat_at) == LIVE
-    ]
+    registered = list(Worker.objects.filter(stopped_at__isnull=True).order_by("pk"))
+    live = [worker for worker in registered if liveness.status(worker.heartbeat_at) == LIVE]
     workers = [
         {
             "id": worker.pk,
@@ -113,7 +110,7 @@ def queue_status() -> dict[str, Any]:
             "status": liveness.status(worker.heartbeat_at),
             "stale": liveness.status(worker.heartbeat_at) != LIVE,  # older name of gone
         }
-        for worker in Worker.objects.filter(stopped_at__isnull=True).order_by("pk")
+        for worker in registered
     ]
     return {
         "now": timestamp(now),
