@@ -16,7 +16,7 @@ Commands:
   priority (seeded by bulk SQL).
 * ``history N`` (PostgreSQL): claim cost, ``queue_status``, a metrics scrape and
   ``prune_jobs`` batches on an empty table, then with N finished jobs (each with its lease
-  and two events, seeded by bulk SQL).
+  row, which is also its two events, seeded by bulk SQL).
 """
 
 from __future__ import annotations
@@ -256,22 +256,14 @@ FROM (SELECT g, now() - interval '{HISTORY_DAYS} days' * (g::float8 / %(total)s)
       FROM generate_series(%(first)s, %(last)s) AS g) AS slots
 """
 
+# Each lease row is also its attempt's claimed and settled events (jobs.events), as a
+# worker writes it: no jobs_jobevent rows for a plain successful attempt.
 HISTORY_LEASES = """
 INSERT INTO jobs_lease (job_id, attempt, lease_token, worker_id, acquired_at, expires_at,
-                        released_at, outcome, error_class, error_message, traceback, context)
+                        released_at, outcome, error_class, error_message, traceback, context,
+                        settled_state, cancel_requested)
 SELECT id, 1, 1, 'bench-history', started_at, started_at + interval '60 s', finished_at,
-       'succeeded', '', '', '', '{}'::jsonb
-FROM jobs_job WHERE id BETWEEN %(low)s AND %(high)s
-"""
-
-HISTORY_EVENTS = """
-INSERT INTO jobs_jobevent (job_id, at, event, lease_token, worker_id, data)
-SELECT id, started_at, 'claimed', 1, 'bench-history',
-       jsonb_build_object('attempt', 1, 'expires_at', started_at + interval '60 s')
-FROM jobs_job WHERE id BETWEEN %(low)s AND %(high)s
-UNION ALL
-SELECT id, finished_at, 'settled', 1, 'bench-history',
-       jsonb_build_object('outcome', 'succeeded', 'state', 'succeeded')
+       'succeeded', '', '', '', '{}'::jsonb, 'succeeded', false
 FROM jobs_job WHERE id BETWEEN %(low)s AND %(high)s
 """
 
@@ -291,7 +283,6 @@ def _fill_history(n: int) -> None:
             cursor.execute("SELECT max(id) FROM jobs_job")
             bounds = {"low": low, "high": cursor.fetchone()[0]}
             cursor.execute(HISTORY_LEASES, bounds)
-            cursor.execute(HISTORY_EVENTS, bounds)
         done = last
 
 

@@ -2,12 +2,15 @@
 
 Queued (delayed ones included) and running jobs are counted from their rows through the
 ``(state, lane, kind)`` index: only the active set is read. Finished jobs (succeeded, dead,
-cancelled) are read from ``jobs_jobcount``, which every transition into or out of a
-finished state adjusts in its own transaction, each at the statement that makes it:
+cancelled) are read from two small tables that every transition into or out of a finished
+state adjusts in its own transaction, each at the statement that makes it:
 
-* into one: settle (``jobs.sql``: succeeded, dead, cancelled), reclaim of a spent job
-  (dead) and cancel of a queued job (cancelled), in ``jobs.engine``;
-* out of one: requeue of a dead job (``jobs.engine``) and pruning (``jobs.retention``).
+* ``jobs_outcomecount``: attempts that end, by the job's state after them: settle
+  (``jobs.sql``: succeeded, dead, cancelled) and reclaim of a spent or cancelled job. It
+  is also the metrics' attempt counter, so an attempt costs one counter write, not two;
+* ``jobs_jobcount``: the rest: cancel of a queued job (into ``cancelled``), requeue of a
+  dead job (``jobs.engine``) and pruning (``jobs.retention``, out of one), and the settles
+  of workers older than 0.3.
 
 So neither reader scans the finished history, and both report exactly what
 ``SELECT lane, state, count(*) FROM jobs_job GROUP BY 1, 2`` would. Only a change made
@@ -23,7 +26,7 @@ from django.db import transaction
 from django.db.models import Count, QuerySet, Sum
 
 from . import sql
-from .models import ACTIVE_STATES, FINISHED_STATES, Job, JobCount
+from .models import ACTIVE_STATES, FINISHED_STATES, Job, JobCount, OutcomeCount
 
 
 def active() -> QuerySet[Job, tuple[str, str, int]]:
@@ -37,24 +40,45 @@ def active() -> QuerySet[Job, tuple[str, str, int]]:
     )
 
 
-def finished() -> QuerySet[JobCount, tuple[str, str, int]]:
-    """(lane, state, count) of succeeded, dead and cancelled jobs, from their counts."""
+def finished() -> dict[tuple[str, str], int]:
+    """(lane, state) → count of succeeded, dead and cancelled jobs, from their counts."""
+    counts: dict[tuple[str, str], int] = defaultdict(int)
+    for lane, state, n in (*ended_attempts(), *other_transitions()):
+        counts[(lane, state)] += n
+    return counts
+
+
+def ended_attempts() -> QuerySet[OutcomeCount, tuple[str, str, int]]:
+    """(lane, state, count) of attempts that left their job in a finished state."""
+    return (
+        OutcomeCount.objects.filter(state__in=FINISHED_STATES)
+        .values_list("lane", "state")
+        .annotate(n=Sum("count"))
+        .order_by()
+    )
+
+
+def other_transitions() -> QuerySet[JobCount, tuple[str, str, int]]:
+    """(lane, state, count): the finished jobs' other ins and outs (see the module)."""
     return JobCount.objects.values_list("lane", "state").annotate(n=Sum("count")).order_by()
 
 
 def by_lane() -> dict[tuple[str, str], int]:
     """(lane, state) → jobs in that state now, for every pair that has any."""
     counts: dict[tuple[str, str], int] = defaultdict(int)
-    for lane, state, n in (*active(), *finished()):
+    for lane, state, n in active():
         counts[(lane, state)] += n
+    for key, n in finished().items():
+        counts[key] += n
     return {key: n for key, n in sorted(counts.items()) if n}
 
 
 def recount() -> dict[tuple[str, str], int]:
     """Rebuild the finished jobs' counts from ``jobs_job`` (one scan of the table) and
-    return them. Safe while workers run: on PostgreSQL the counts table is locked against
-    writers first, so a transition either is in the scan or adds to the new counts after it
-    (SQLite serializes every writer anyway)."""
+    return them. ``jobs_outcomecount`` is the metrics' attempt counter too, so it is kept:
+    ``jobs_jobcount`` becomes what the rows hold beyond it. Safe while workers run: on
+    PostgreSQL both tables are locked against writers first, so a transition either is in
+    the scan or adds to the counts after it (SQLite serializes every writer anyway)."""
     with transaction.atomic():
         sql.lock_job_counts()
         JobCount.objects.all().delete()
@@ -65,7 +89,13 @@ def recount() -> dict[tuple[str, str], int]:
             .annotate(n=Count("id"))
             .order_by("lane", "state")
         }
+        counted = finished()  # now only the ended attempts
+        corrections = {
+            key: found.get(key, 0) - counted.get(key, 0) for key in sorted({*found, *counted})
+        }
         JobCount.objects.bulk_create(
-            JobCount(lane=lane, state=state, shard=0, count=n) for (lane, state), n in found.items()
+            JobCount(lane=lane, state=state, shard=0, count=n)
+            for (lane, state), n in corrections.items()
+            if n
         )
     return found

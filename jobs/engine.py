@@ -731,11 +731,6 @@ def _event(
     )
 
 
-def events(job_id: int) -> QuerySet[JobEvent]:
-    """The job's event log, oldest first."""
-    return JobEvent.objects.filter(job_id=job_id).order_by("pk")
-
-
 def held_locks(job_id: int | None = None) -> QuerySet[JobLock]:
     """Resource locks held now (by one job, or by all), in canonical order."""
     held = JobLock.objects.order_by("resource")

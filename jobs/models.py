@@ -73,12 +73,9 @@ class Job(models.Model):
                 name="job_claim_any_lane_idx",
                 condition=Q(state="queued"),
             ),
-            # Reclaim scans only running rows by expiry.
-            models.Index(
-                fields=["lease_expires_at"],
-                name="job_lease_expiry_idx",
-                condition=Q(state="running"),
-            ),
+            # Also how reclaim finds the running rows (few: one per busy worker) to test
+            # their expiry. No index holds lease_expires_at or heartbeat_at, so a heartbeat
+            # is a HOT update (migration 0007_i16 leaves room on each page for it).
             models.Index(fields=["state", "lane", "kind"], name="job_state_idx"),
             # Pruning by age reads only finished rows.
             models.Index(
@@ -121,6 +118,12 @@ class Lease(models.Model):
     error_message = models.TextField(blank=True, default="")
     traceback = models.TextField(blank=True, default="")
     context = models.JSONField(default=dict, blank=True)
+    # Written by the settle that ends the attempt (NULL while it runs, when reclaim ended it,
+    # or when a worker older than 0.3 settled it): the job's state after it and whether a
+    # cancel had been requested. With acquired_at and released_at they are the attempt's
+    # "claimed" and "settled" events (``jobs.events``), which are not stored twice.
+    settled_state = models.CharField(max_length=16, null=True, blank=True)  # noqa: DJ001
+    cancel_requested = models.BooleanField(null=True, blank=True)
 
     class Meta:
         constraints = [
@@ -244,13 +247,13 @@ ATTEMPT_COUNT_SHARDS = 16  # rows per (kind, outcome, bucket): concurrent settle
 
 
 class AttemptCount(models.Model):
-    """How many attempts of a kind ended with an outcome, by duration bucket: the metrics'
-    counters (``holdfast_job_attempts_total``, ``holdfast_job_duration_seconds``).
+    """How many attempts of a kind ended with an outcome, by duration bucket, as counted
+    by workers before 0.3 (which also wrote ``JobCount`` for each finished job). Since
+    0.3 the settle writes ``OutcomeCount`` instead; readers add both, so the metrics stay
+    exact across an upgrade with old workers still running.
 
-    The settle statement (``jobs.sql``) and reclaim add to a row in the same transaction
-    that records the attempt's outcome, so the counts are exact, survive restarts and are
-    never touched by pruning. ``shard`` (the backend's pid modulo ``ATTEMPT_COUNT_SHARDS``)
-    keeps concurrent workers off each other's row locks; readers sum over it.
+    ``shard`` (the backend's pid modulo ``ATTEMPT_COUNT_SHARDS``) keeps concurrent workers
+    off each other's row locks; readers sum over it.
     """
 
     kind = models.CharField(max_length=200)
@@ -271,15 +274,53 @@ class AttemptCount(models.Model):
         return f"{self.count} {self.kind} attempts {self.outcome} (bucket {self.bucket})"
 
 
+class OutcomeCount(models.Model):
+    """How many attempts of a kind in a lane ended with an outcome, leaving the job in a
+    state, by duration bucket: one row write per settled attempt serves two readers.
+
+    * the metrics' counters (``holdfast_job_attempts_total``,
+      ``holdfast_job_duration_seconds``) sum it by (kind, outcome, bucket), plus the rows
+      of ``AttemptCount`` written before it existed;
+    * the finished jobs' counts sum it by (lane, state) over the finished states, plus
+      ``JobCount``, which holds every transition into or out of a finished state that is
+      not an attempt ending (cancel of a queued job, requeue of a dead one, pruning).
+
+    The settle statement (``jobs.sql``) and reclaim add to a row in the same statement
+    that records the attempt's outcome, so both stay exact. ``shard`` as in AttemptCount.
+    """
+
+    kind = models.CharField(max_length=200)
+    lane = models.CharField(max_length=100)
+    outcome = models.CharField(max_length=16, choices=Outcome.choices)
+    state = models.CharField(max_length=16, choices=State.choices)  # the job's, after it
+    bucket = models.PositiveSmallIntegerField()  # index into DURATION_BUCKETS; len() is +Inf
+    shard = models.PositiveSmallIntegerField(default=0)
+    count = models.BigIntegerField(default=0)
+    seconds = models.FloatField(default=0.0)  # the attempts' summed durations
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(
+                fields=["kind", "lane", "outcome", "state", "bucket", "shard"],
+                name="outcome_count_key",
+            )
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.count} {self.kind} attempts {self.outcome} → {self.state}"
+
+
 class JobCount(models.Model):
     """How many jobs of a lane are in a finished state (succeeded, dead, cancelled) now:
     what ``queue_status`` and the metrics' ``holdfast_jobs`` report for those states, read
     without scanning the finished history.
 
-    Every transition into or out of a finished state adds its +1 or -1 here in its own
-    transaction (settle in ``jobs.sql``; reclaim to dead, cancel of a queued job, requeue
-    of a dead job in ``jobs.engine``; pruning in ``jobs.retention``), so the sum over
-    ``shard`` equals ``count(*)`` of the lane's rows in that state. ``shard`` (the backend's
+    The count of (lane, state) is this table's sum plus ``OutcomeCount``'s for the same
+    lane and state. Attempts that end (settle, reclaim) are counted there; every other
+    transition into or out of a finished state adds its +1 or -1 here in its own
+    transaction (cancel of a queued job, requeue of a dead job in ``jobs.engine``; pruning
+    in ``jobs.retention``; settles of workers older than 0.3), so the two sums together
+    equal ``count(*)`` of the lane's rows in that state. ``shard`` (the backend's
     pid modulo ``ATTEMPT_COUNT_SHARDS``) keeps concurrent settles off each other's row
     locks; a shard's own count may go below zero, only the sum means anything.
     ``manage.py recount_jobs`` rebuilds the rows from ``jobs_job``.

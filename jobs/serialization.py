@@ -6,6 +6,7 @@ from datetime import datetime
 from typing import Any
 
 from . import engine
+from .events import events
 from .models import Job, JobEvent, Lease
 from .registry import TASK_KIND
 
@@ -80,5 +81,5 @@ def job_detail_dict(job: Job) -> dict[str, Any]:
     data = job_dict(job)
     data["leases"] = [lease_dict(lease) for lease in job.leases.order_by("lease_token")]
     data["locks"] = list(engine.held_locks(job.pk).values_list("resource", flat=True))
-    data["events"] = [event_dict(event) for event in engine.events(job.pk)]
+    data["events"] = [event_dict(event) for event in events(job.pk)]
     return data

@@ -28,7 +28,6 @@ from __future__ import annotations
 import functools
 import json
 import re
-from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -93,7 +92,8 @@ def _columns(table: str) -> str:
 
 # The claim, as CTEs: pick the best runnable row whose resource locks are all free
 # (skipping rows other workers are locking), make it ours under the next lease token, write
-# the attempt's lease row, take its locks in canonical (sorted) order, and log the event.
+# the attempt's lease row (which is also its "claimed" event: see jobs.events), and take
+# its locks in canonical (sorted) order.
 # Two claimers racing for one free resource both insert its lock row: the primary key makes
 # the second one's whole statement fail (nothing of it commits), and it claims again (I8).
 PG_CLAIM_CTES = f"""
@@ -131,11 +131,6 @@ candidate AS (
     SELECT lock.resource, claimed.id, claimed.lease_token, statement_timestamp()
     FROM claimed, jsonb_array_elements_text(claimed.locks) WITH ORDINALITY AS lock(resource, n)
     ORDER BY lock.n
-), claim_event AS (
-    INSERT INTO jobs_jobevent (job_id, at, event, lease_token, worker_id, data)
-    SELECT id, statement_timestamp(), 'claimed', lease_token, %(worker)s::text,
-           jsonb_build_object('attempt', attempts, 'expires_at', lease_expires_at)
-    FROM claimed
 )"""
 
 
@@ -146,9 +141,10 @@ def _bucket(seconds: str) -> str:
 
 
 SHARDS = ATTEMPT_COUNT_SHARDS
-# The settle, as CTEs: fenced by state and lease token; the lease row, the lock release,
-# the event, the attempt counter (metrics) and, into a finished state, the lane's count of
-# jobs in that state (jobs_jobcount) are written only if the job row was.
+# The settle, as CTEs: fenced by state and lease token; the lease row (which is also the
+# attempt's "settled" event: see jobs.events), the lock release and the attempt's count
+# (jobs_outcomecount: the metrics and the finished jobs' counts) are written only if the
+# job row was.
 PG_SETTLE_CTES = f"""
 settled AS (
     UPDATE jobs_job SET
@@ -169,32 +165,23 @@ settled AS (
     UPDATE jobs_lease SET
         outcome = %(outcome)s::text, released_at = statement_timestamp(),
         error_class = %(error_class)s::text, error_message = %(error_message)s::text,
-        traceback = %(traceback)s::text, context = %(context)s::jsonb
-    WHERE id = %(lease_id)s::bigint AND EXISTS (SELECT 1 FROM settled)
-    RETURNING worker_id,
-              greatest(0, extract(epoch FROM statement_timestamp() - acquired_at))::float8 AS s
+        traceback = %(traceback)s::text, context = %(context)s::jsonb,
+        settled_state = %(state)s::text, cancel_requested = settled.cancel_requested
+    FROM settled
+    WHERE jobs_lease.id = %(lease_id)s::bigint
+    RETURNING greatest(0, extract(epoch FROM statement_timestamp() - acquired_at))::float8 AS s
 ), released_locks AS (
     DELETE FROM jobs_joblock
     WHERE job_id = %(job_id)s::bigint AND lease_token = %(token)s::bigint
       AND EXISTS (SELECT 1 FROM settled)
-), settle_event AS (
-    INSERT INTO jobs_jobevent (job_id, at, event, lease_token, worker_id, data)
-    SELECT settled.id, statement_timestamp(), 'settled', %(token)s::bigint, settled_lease.worker_id,
-           jsonb_build_object('state', %(state)s::text, 'outcome', %(outcome)s::text,
-                              'cancel_requested', settled.cancel_requested)
-    FROM settled CROSS JOIN settled_lease
 ), counted AS (
-    INSERT INTO jobs_attemptcount (kind, outcome, bucket, shard, count, seconds)
-    SELECT %(kind)s::text, %(outcome)s::text, {_bucket("took.s")}, mod(pg_backend_pid(), {SHARDS}),
-           1, took.s
+    INSERT INTO jobs_outcomecount (kind, lane, outcome, state, bucket, shard, count, seconds)
+    SELECT %(kind)s::text, %(lane)s::text, %(outcome)s::text, %(state)s::text,
+           {_bucket("took.s")}, mod(pg_backend_pid(), {SHARDS}), 1, took.s
     FROM settled_lease AS took  -- the attempt's duration, from the lease row it just wrote
-    ON CONFLICT (kind, outcome, bucket, shard) DO UPDATE SET
-        count = jobs_attemptcount.count + 1, seconds = jobs_attemptcount.seconds + EXCLUDED.seconds
-), finished_count AS (
-    INSERT INTO jobs_jobcount (lane, state, shard, count)
-    SELECT %(lane)s::text, %(state)s::text, mod(pg_backend_pid(), {SHARDS}), 1
-    FROM settled WHERE %(state)s::text <> 'queued'
-    ON CONFLICT (lane, state, shard) DO UPDATE SET count = jobs_jobcount.count + 1
+    ON CONFLICT (kind, lane, outcome, state, bucket, shard) DO UPDATE SET
+        count = jobs_outcomecount.count + 1,
+        seconds = jobs_outcomecount.seconds + EXCLUDED.seconds
 )"""
 
 PG_CLAIM = f"""
@@ -279,11 +266,6 @@ INSERT INTO jobs_joblock (resource, job_id, lease_token, acquired_at)
 SELECT value, %(job_id)s, %(token)s, {SQLITE_NOW} FROM json_each(%(locks)s) ORDER BY key
 """
 
-SQLITE_EVENT = f"""
-INSERT INTO jobs_jobevent (job_id, at, event, lease_token, worker_id, data)
-VALUES (%(job_id)s, {SQLITE_NOW}, %(event)s, %(token)s, %(worker)s, %(data)s)
-"""
-
 SQLITE_RELEASE_LOCKS = """
 DELETE FROM jobs_joblock WHERE job_id = %(job_id)s AND lease_token = %(token)s
 """
@@ -305,14 +287,15 @@ WHERE id = %(job_id)s AND state = 'running' AND lease_token = %(token)s
 RETURNING cancel_requested
 """
 
-# The attempt counters (metrics): one upsert per settled attempt, in its settle's transaction.
+# The attempt's count (metrics, finished jobs): one upsert per settled attempt, in its
+# settle's transaction.
 SQLITE_COUNT_ATTEMPT = f"""
-INSERT INTO jobs_attemptcount (kind, outcome, bucket, shard, count, seconds)
-SELECT %(kind)s, %(outcome)s, {_bucket("took.s")}, 0, 1, took.s
+INSERT INTO jobs_outcomecount (kind, lane, outcome, state, bucket, shard, count, seconds)
+SELECT %(kind)s, %(lane)s, %(outcome)s, %(state)s, {_bucket("took.s")}, 0, 1, took.s
 FROM (SELECT max(0.0, (julianday('now') - julianday(acquired_at)) * 86400.0) AS s
-      FROM jobs_lease WHERE job_id = %(job_id)s AND lease_token = %(token)s) AS took
+      FROM jobs_lease WHERE id = %(lease_id)s) AS took
 WHERE true
-ON CONFLICT (kind, outcome, bucket, shard) DO UPDATE SET
+ON CONFLICT (kind, lane, outcome, state, bucket, shard) DO UPDATE SET
     count = count + 1, seconds = seconds + excluded.seconds
 """
 
@@ -345,15 +328,15 @@ def lock_job_counts() -> None:
     jobs' counts until it ends (a recount). SQLite's write transaction already does."""
     if is_postgres():
         with connection.cursor() as cursor:
-            cursor.execute("LOCK TABLE jobs_jobcount IN EXCLUSIVE MODE")
+            cursor.execute("LOCK TABLE jobs_jobcount, jobs_outcomecount IN EXCLUSIVE MODE")
 
 
 SQLITE_SETTLE_LEASE = f"""
 UPDATE jobs_lease SET
     outcome = %(outcome)s, released_at = {SQLITE_NOW}, error_class = %(error_class)s,
-    error_message = %(error_message)s, traceback = %(traceback)s, context = %(context)s
+    error_message = %(error_message)s, traceback = %(traceback)s, context = %(context)s,
+    settled_state = %(state)s, cancel_requested = %(cancel_requested)s
 WHERE id = %(lease_id)s
-RETURNING worker_id
 """
 
 
@@ -617,26 +600,20 @@ WITH expired AS (
     DELETE FROM jobs_joblock USING reclaimed
     WHERE jobs_joblock.job_id = reclaimed.id AND jobs_joblock.lease_token = reclaimed.lease_token
 ), took AS (
-    SELECT reclaimed.kind,
+    SELECT reclaimed.kind, reclaimed.lane, reclaimed.state,
            greatest(0, extract(epoch FROM statement_timestamp() - lease.acquired_at))::float8 AS s
     FROM reclaimed JOIN jobs_lease AS lease
          ON lease.job_id = reclaimed.id AND lease.lease_token = reclaimed.lease_token
 ), counted AS (
-    INSERT INTO jobs_attemptcount (kind, outcome, bucket, shard, count, seconds)
-    SELECT kind, 'lease_expired', bucket, mod(pg_backend_pid(), {SHARDS}), count(*), sum(s)
-    FROM (SELECT kind, s, {_bucket("s")} AS bucket FROM took) AS bucketed
-    GROUP BY kind, bucket
-    ON CONFLICT (kind, outcome, bucket, shard) DO UPDATE SET
-        count = jobs_attemptcount.count + EXCLUDED.count,
-        seconds = jobs_attemptcount.seconds + EXCLUDED.seconds
-), finished_count AS (
-    INSERT INTO jobs_jobcount (lane, state, shard, count)
-    SELECT lane, state, mod(pg_backend_pid(), {SHARDS}), count(*)
-    FROM reclaimed WHERE state <> 'queued'
-    GROUP BY lane, state
-    ORDER BY lane, state
-    ON CONFLICT (lane, state, shard) DO UPDATE SET
-        count = jobs_jobcount.count + EXCLUDED.count
+    INSERT INTO jobs_outcomecount (kind, lane, outcome, state, bucket, shard, count, seconds)
+    SELECT kind, lane, 'lease_expired', state, bucket, mod(pg_backend_pid(), {SHARDS}),
+           count(*), sum(s)
+    FROM (SELECT kind, lane, state, s, {_bucket("s")} AS bucket FROM took) AS bucketed
+    GROUP BY kind, lane, state, bucket
+    ORDER BY kind, lane, state, bucket
+    ON CONFLICT (kind, lane, outcome, state, bucket, shard) DO UPDATE SET
+        count = jobs_outcomecount.count + EXCLUDED.count,
+        seconds = jobs_outcomecount.seconds + EXCLUDED.seconds
 ), logged AS (
     INSERT INTO jobs_jobevent (job_id, at, event, lease_token, worker_id, data)
     SELECT reclaimed.id, statement_timestamp(), e.event, reclaimed.lease_token,
@@ -693,17 +670,18 @@ WHERE (job_id, lease_token) IN (SELECT json_extract(value, '$[0]'), json_extract
 """
 
 SQLITE_RECLAIM_COUNTS = f"""
-INSERT INTO jobs_attemptcount (kind, outcome, bucket, shard, count, seconds)
-SELECT kind, 'lease_expired', bucket, 0, count(*), sum(s)
-FROM (SELECT kind, s, {_bucket("s")} AS bucket
-      FROM (SELECT json_extract(r.value, '$[6]') AS kind,
+INSERT INTO jobs_outcomecount (kind, lane, outcome, state, bucket, shard, count, seconds)
+SELECT kind, lane, 'lease_expired', state, bucket, 0, count(*), sum(s)
+FROM (SELECT kind, lane, state, s, {_bucket("s")} AS bucket
+      FROM (SELECT json_extract(r.value, '$[6]') AS kind, json_extract(r.value, '$[7]') AS lane,
+                   json_extract(r.value, '$[2]') AS state,
                    max(0.0, (julianday('now') - julianday(lease.acquired_at)) * 86400.0) AS s
             FROM json_each(%(rows)s) AS r JOIN jobs_lease AS lease
                  ON lease.job_id = json_extract(r.value, '$[0]')
                 AND lease.lease_token = json_extract(r.value, '$[1]')))
 WHERE true
-GROUP BY kind, bucket
-ON CONFLICT (kind, outcome, bucket, shard) DO UPDATE SET
+GROUP BY kind, lane, state, bucket
+ON CONFLICT (kind, lane, outcome, state, bucket, shard) DO UPDATE SET
     count = count + excluded.count, seconds = seconds + excluded.seconds
 """
 
@@ -780,7 +758,7 @@ def _sqlite_reclaim(limit: int, job_id: int | None, cancel: bool, actor: str) ->
             else:
                 state = "dead" if attempts >= max_attempts else "queued"
                 error = f"LeaseExpired: {account}"
-            rows.append([pk, token, state, error, account, state != "queued", kind])
+            rows.append([pk, token, state, error, account, state != "queued", kind, lane])
             who = worker or ""
             beat_data = json.dumps({"last_heartbeat_at": beat}, default=str)
             end_data = json.dumps({"expired_at": expiry, "state": state}, default=str)
@@ -792,9 +770,7 @@ def _sqlite_reclaim(limit: int, job_id: int | None, cancel: bool, actor: str) ->
         cursor.execute(SQLITE_RECLAIM_LEASES, batch)
         cursor.execute(SQLITE_RECLAIM_LOCKS, batch)
         cursor.execute(SQLITE_RECLAIM_EVENTS, batch)
-        cursor.execute(SQLITE_RECLAIM_COUNTS, batch)
-        finished = Counter((job.lane, job.state) for job in reclaimed if job.state != "queued")
-        count_jobs(finished)  # the finished jobs' counts, in this transaction
+        cursor.execute(SQLITE_RECLAIM_COUNTS, batch)  # the attempts' and finished jobs' counts
     return reclaimed
 
 
@@ -968,17 +944,10 @@ def _sqlite_settle_and_claim(
             job_row = cursor.fetchone()
             settled = job_row is not None
             if settled:
-                cursor.execute(SQLITE_SETTLE_LEASE, params)
-                (worker,) = cursor.fetchone()
+                cancel_requested = {"cancel_requested": bool(job_row[0])}
+                cursor.execute(SQLITE_SETTLE_LEASE, {**params, **cancel_requested})
                 cursor.execute(SQLITE_RELEASE_LOCKS, params)
                 cursor.execute(SQLITE_COUNT_ATTEMPT, params)
-                if params["state"] != "queued":  # into a finished state: count it
-                    finished = {"lane": params["lane"], "state": params["state"], "delta": 1}
-                    cursor.execute(COUNT_JOBS.format(shard="0"), finished)
-                data = {"state": params["state"], "outcome": params["outcome"]}
-                data["cancel_requested"] = bool(job_row[0])
-                event = {"event": "settled", "worker": worker, "data": json.dumps(data)}
-                cursor.execute(SQLITE_EVENT, {**params, **event})
         if claim:
             cursor.execute(SQLITE_CLAIM.format(lane_filter=lane_filter), params)
             row = cursor.fetchone()
@@ -988,7 +957,7 @@ def _sqlite_settle_and_claim(
 
 
 def _sqlite_take(cursor: Any, row: Sequence[Any], worker: str) -> Claimed:
-    """The rest of a SQLite claim: the lease row, the locks and the event."""
+    """The rest of a SQLite claim: the lease row (its "claimed" event) and the locks."""
     params = {
         "job_id": row[0],
         "attempt": row[4],
@@ -1000,8 +969,6 @@ def _sqlite_take(cursor: Any, row: Sequence[Any], worker: str) -> Claimed:
     cursor.execute(SQLITE_INSERT_LEASE, params)
     (lease_id,) = cursor.fetchone()
     cursor.execute(SQLITE_TAKE_LOCKS, params)
-    data = json.dumps({"attempt": row[4], "expires_at": _as_datetime(row[8]).isoformat()})
-    cursor.execute(SQLITE_EVENT, {**params, "event": "claimed", "data": data})
     return _claimed((*row, lease_id))
 
 

@@ -4,12 +4,13 @@ Every figure is computed at scrape time from rows, so any API process (a fresh o
 reports the same values, and the counters only grow across restarts and job pruning:
 
 * ``holdfast_job_attempts_total{kind,outcome}`` and the ``holdfast_job_duration_seconds{kind}``
-  histogram come from ``jobs_attemptcount``, which the settle statement (and reclaim) add
-  to in the transaction that records each attempt's outcome. Pruning never touches it.
+  histogram come from ``jobs_outcomecount`` (plus ``jobs_attemptcount``, counted before
+  0.3), which the settle statement (and reclaim) add to in the statement that records each
+  attempt's outcome. Pruning never touches it.
 * ``holdfast_jobs{lane,state}`` comes from ``jobs.counts``, as ``queue_status``'s counts
   do: queued (delayed ones included) and running jobs counted from their rows, finished
-  ones (succeeded, dead, cancelled) from ``jobs_jobcount``, which every transition into or
-  out of a finished state (pruning included) adjusts in its own transaction.
+  ones (succeeded, dead, cancelled) from the counter tables, which every transition into
+  or out of a finished state (pruning included) adjusts in its own transaction.
 
 A scrape reads only indexed, bounded sets (active jobs, workers, schedules, counter rows,
 issues), never the finished history, so its cost does not grow with the size of
@@ -36,7 +37,16 @@ from ingestion.spool import Spool
 from jobs import counts as job_counts
 from jobs import engine
 from jobs import lanes as lane_config
-from jobs.models import DURATION_BUCKETS, AttemptCount, Job, Outcome, Schedule, State, Worker
+from jobs.models import (
+    DURATION_BUCKETS,
+    AttemptCount,
+    Job,
+    Outcome,
+    OutcomeCount,
+    Schedule,
+    State,
+    Worker,
+)
 from jobs.status import worker_liveness
 
 #: Attempts whose duration the histogram records: those the handler itself ended.
@@ -160,11 +170,13 @@ class HoldfastCollector(Collector):
         yield age
 
     def _attempts(self) -> Iterator[Metric]:
-        rows = (
-            AttemptCount.objects.values_list("kind", "outcome", "bucket")
+        rows = [  # counted before 0.3 and since, by (kind, outcome, bucket)
+            row
+            for model in (AttemptCount, OutcomeCount)
+            for row in model.objects.values_list("kind", "outcome", "bucket")
             .annotate(n=Sum("count"), s=Sum("seconds"))
             .order_by()
-        )
+        ]
         attempts: dict[tuple[str, str], int] = defaultdict(int)
         buckets: dict[str, list[int]] = defaultdict(lambda: [0] * (len(DURATION_BUCKETS) + 1))
         seconds: dict[str, float] = defaultdict(float)

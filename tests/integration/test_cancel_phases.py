@@ -14,6 +14,7 @@ import pytest
 
 from jobs import Cancelled, StateConflict, engine
 from jobs.context import JobContext
+from jobs.events import events, one_event
 from jobs.models import Job, Lease, Outcome, State
 from jobs.sql import Claimed
 from tests.testapp.models import Effect
@@ -24,7 +25,7 @@ pytestmark = pytest.mark.django_db
 
 
 def event_log(job_id: int) -> list[tuple[str, int | None, dict[str, Any]]]:
-    return [(e.event, e.lease_token, e.data) for e in engine.events(job_id)]
+    return [(e.event, e.lease_token, e.data) for e in events(job_id)]
 
 
 def effect(ctx: JobContext, label: str) -> None:
@@ -81,7 +82,7 @@ def test_a_cancel_just_after_the_claim_stops_the_job_at_its_first_safe_point() -
         "outcome": "cancelled",
         "cancel_requested": True,
     }
-    assert engine.events(job.pk).get(event="cancel_requested").worker_id == "w1"
+    assert one_event(job.pk, "cancel_requested").worker_id == "w1"
     # The cancelled attempt let go of its resources in the same commit.
     assert not engine.held_locks().exists()
     waiting = engine.enqueue("test.locked", {"resources": ["r1"]})

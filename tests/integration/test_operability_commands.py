@@ -13,7 +13,7 @@ from django.utils import timezone
 from ingestion import reconciliation
 from ingestion.models import ReconciliationIssue
 from jobs import engine, retention
-from jobs.models import AttemptCount, Job, JobEvent, Lease, State
+from jobs.models import Job, JobEvent, Lease, OutcomeCount, State
 from jobs.scheduler import SchedulerLoop
 from ops import tokens
 from ops.models import OpsToken
@@ -131,7 +131,7 @@ def test_retention_removes_exactly_what_it_should(settings):
     running = claim_one()
     Job.objects.filter(pk=running.id).update(created_at=timezone.now() - timedelta(days=99))
     kept.append(Job.objects.get(pk=running.id))
-    counted = list(AttemptCount.objects.values_list("kind", "outcome", "count"))
+    counted = list(OutcomeCount.objects.values_list("kind", "outcome", "count"))
 
     SchedulerLoop().run_once()  # the scheduler runs the retention pass
 
@@ -139,7 +139,7 @@ def test_retention_removes_exactly_what_it_should(settings):
     gone_ids = [job.pk for job in gone]
     assert not Lease.objects.filter(job_id__in=gone_ids).exists()
     assert not JobEvent.objects.filter(job_id__in=gone_ids).exists()
-    assert list(AttemptCount.objects.values_list("kind", "outcome", "count")) == counted
+    assert list(OutcomeCount.objects.values_list("kind", "outcome", "count")) == counted
 
 
 def test_retention_goes_in_batches_and_the_scheduler_comes_back_for_the_rest(settings):

@@ -19,6 +19,7 @@ from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
 from jobs import engine
+from jobs.events import one_event
 from jobs.models import Job, JobLock, Lease, Outcome, State
 
 pytestmark = [pytest.mark.postgres, pytest.mark.django_db(transaction=True)]
@@ -137,7 +138,7 @@ def test_ten_thousand_expired_leases_in_one_pass_beside_a_live_heartbeat():
     newer = engine.enqueue("test.noop", {"n": "enqueued after the crash"})
     first = engine.claim("survivor")
     assert first is not None and first.id == ids[0] and first.id != newer.pk
-    assert engine.events(ids[1]).filter(event="reclaimed").get().data["state"] == "queued"
+    assert one_event(ids[1], "reclaimed").data["state"] == "queued"
 
 
 def test_a_row_an_open_transaction_holds_is_skipped_not_waited_for():

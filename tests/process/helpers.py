@@ -231,13 +231,7 @@ def engine_violations(rows: Rows = django_rows, job_ids: Iterable[int] | None = 
         )
         if kept(job_id)
     ]
-    events = [
-        _Event(job_id, event, token, data if isinstance(data, dict) else json.loads(data or "{}"))
-        for job_id, event, token, data in rows(
-            "SELECT job_id, event, lease_token, data FROM jobs_jobevent ORDER BY id"
-        )
-        if kept(job_id)
-    ]
+    events = _events(rows, kept)
     problems = [
         f"job {job_id} is still {state}"
         for job_id, state in jobs.items()
@@ -254,6 +248,28 @@ def engine_violations(rows: Rows = django_rows, job_ids: Iterable[int] | None = 
     ]
     problems += _stale_writes(rows, attempts, kept)
     return problems
+
+
+def _events(rows: Rows, kept: Callable[[int], bool]) -> list[_Event]:
+    """The event log of every kept job, in time order: its ``jobs_jobevent`` rows and the
+    claimed and settled events its lease rows record (as ``jobs.events`` reads them, but
+    from plain SQL here). On a tie of timestamps, claimed before rows before settled."""
+    logged: list[tuple[datetime | None, int, _Event]] = []
+    for job_id, event, token, data, at in rows(
+        "SELECT job_id, event, lease_token, data, at FROM jobs_jobevent ORDER BY id"
+    ):
+        parsed = data if isinstance(data, dict) else json.loads(data or "{}")
+        logged.append((_instant(at), 1, _Event(job_id, event, token, parsed)))
+    for job_id, token, acquired, released, state, outcome in rows(
+        "SELECT job_id, lease_token, acquired_at, released_at, settled_state, outcome"
+        " FROM jobs_lease"
+    ):
+        logged.append((_instant(acquired), 0, _Event(job_id, "claimed", token, {})))
+        if state is not None:
+            data = {"state": state, "outcome": outcome}
+            logged.append((_instant(released), 2, _Event(job_id, "settled", token, data)))
+    logged.sort(key=lambda entry: (entry[0] or datetime.min.replace(tzinfo=UTC), entry[1]))
+    return [event for _, _, event in logged if kept(event.job_id)]
 
 
 def assert_engine_invariants(

@@ -19,6 +19,7 @@ import pytest
 
 from jobs import engine
 from jobs.engine import enqueue
+from jobs.events import events, one_event
 from jobs.models import Job, Lease, Outcome, State
 from tests.conftest import on_postgres
 from tests.process.helpers import (
@@ -53,7 +54,7 @@ def test_a_job_cancelled_while_queued_is_never_claimed(workers: WorkerPool) -> N
     assert doomed.state == State.CANCELLED
     assert not worker.events("job_claimed", job_id=doomed.pk)
     assert not Lease.objects.filter(job_id=doomed.pk).exists()
-    assert [event.event for event in engine.events(doomed.pk)] == ["cancelled"]
+    assert [event.event for event in events(doomed.pk)] == ["cancelled"]
     assert not Effect.objects.filter(job_id=doomed.pk).exists()
     assert_engine_invariants(context=workers.describe())
 
@@ -77,7 +78,7 @@ def test_a_running_job_cancelled_at_each_phase(
     wait_for_job(job.pk, State.CANCELLED if honoured else State.SUCCEEDED, workers)
     job.refresh_from_db()
     lease = Lease.objects.get(job_id=job.pk)
-    settled = engine.events(job.pk).get(event="settled")
+    settled = one_event(job.pk, "settled")
     assert settled.data["cancel_requested"] is True, job_summary([job.pk])
     effects = list(Effect.objects.filter(job_id=job.pk).values_list("label", flat=True))
     if honoured:
@@ -90,7 +91,7 @@ def test_a_running_job_cancelled_at_each_phase(
         assert (lease.outcome, job.result) == (Outcome.SUCCEEDED, "finished")
         assert effects == ["after the gate"]
         worker.wait_for_event("cancel_not_honoured", job_id=job.pk)
-    assert [event.event for event in engine.events(job.pk)][-2:] == [
+    assert [event.event for event in events(job.pk)][-2:] == [
         "cancel_requested",
         "settled",
     ]
@@ -111,7 +112,7 @@ def wait_until_heard(job_id: int, worker: WorkerProc, asked_at: float) -> None:
         latency = datetime.fromisoformat(heard["timestamp"]).timestamp() - asked_at
         assert latency < NOTIFY_LATENCY, f"heard {latency:.3f} s after the request"
         return
-    asked = engine.events(job_id).get(event="cancel_requested").at
+    asked = one_event(job_id, "cancel_requested").at
     wait_until(
         lambda: Job.objects.filter(pk=job_id, heartbeat_at__gt=asked).exists(),
         5,
