@@ -73,6 +73,8 @@ class Job(models.Model):
                 name="job_claim_any_lane_idx",
                 condition=Q(state="queued"),
             ),
+            # An idle worker's "when is the next job due?" (jobs.worker): a short range scan.
+            models.Index(fields=["run_at"], name="job_due_idx", condition=Q(state="queued")),
             # Reclaim scans only running rows by expiry.
             models.Index(
                 fields=["lease_expires_at"],
