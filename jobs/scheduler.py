@@ -219,7 +219,7 @@ class SchedulerLoop:
         delay = 0.5
         while not self.stop.is_set():
             try:
-                sleep = self.run_once()
+                sleep = self.synced_pass()
                 delay = 0.5
             except (OperationalError, InterfaceError) as exc:
                 log.error(
@@ -233,12 +233,18 @@ class SchedulerLoop:
             self.stop.wait(sleep)
         connection.close()
 
-    def run_once(self, reclaim: bool = True, between: Callable[[], None] | None = None) -> float:
-        """One pass; returns how long to sleep before the next. ``reclaim=False`` when the
-        caller reclaims on its own; ``between`` runs between the pass's transactions."""
+    def synced_pass(self, between: Callable[[], None] | None = None) -> float:
+        """A pass of a running loop: the first one syncs the schedule rows first (again
+        after a failed sync). ``between`` given (a worker's lease keeper, which reclaims
+        on its own): no reclaim here, ``between`` after each transaction."""
         if not self._synced:
             sync()
             self._synced = True
+        return self.run_once(reclaim=between is None, between=between)
+
+    def run_once(self, reclaim: bool = True, between: Callable[[], None] | None = None) -> float:
+        """One pass; returns how long to sleep before the next. ``reclaim=False`` when the
+        caller reclaims on its own; ``between`` runs between the pass's transactions."""
         if reclaim:
             engine.reclaim_expired()
         now = engine.db_now()

@@ -473,7 +473,7 @@ class WorkerProcess:
         """``--with-scheduler``: one scheduler pass, renewing between its steps."""
         assert self._scheduler is not None
         try:
-            sleep = self._scheduler.run_once(reclaim=False, between=lambda: self._beat(state))
+            sleep = self._scheduler.synced_pass(between=lambda: self._beat(state))
             state.schedule_backoff = 0.5
         except DB_ERRORS as exc:
             log.error(

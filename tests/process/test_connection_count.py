@@ -67,8 +67,9 @@ def test_32_workers_hold_two_connections_each(workers: WorkerPool, tmp_path: Pat
         message=describe,
     )
     wait_until(
-        lambda: Job.objects.filter(pk__in=[j.pk for j in jobs], state=State.RUNNING).count()
-        == BUSY,
+        lambda: (
+            Job.objects.filter(pk__in=[j.pk for j in jobs], state=State.RUNNING).count() == BUSY
+        ),
         30,
         interval=0.2,
         message=describe,
