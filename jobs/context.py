@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -41,6 +41,9 @@ class JobContext:
         # Run by a worker (its rows committed): a heartbeat inside a transaction may use a
         # connection of its own. Built by hand (tests), it stays on the caller's.
         self.own_connection = own_connection
+        # Set by a worker: asks its lease keeper to renew now, on the keeper's connection
+        # (returns whether it did in time), so a heartbeat inside a transaction opens none.
+        self.renew_elsewhere: Callable[[float], bool] | None = None
         self.completed = False
         self.settling = False  # set by the worker once the handler has returned
         self.result: Any = None
@@ -135,6 +138,14 @@ class JobContext:
             raise
 
     def _heartbeat_elsewhere(self) -> bool:
+        if self.renew_elsewhere is not None:
+            if not self.renew_elsewhere(SIDE_HEARTBEAT_TIMEOUT):
+                return False  # not renewed now; the lease keeper renews it in the background
+            if self.lease_lost:
+                raise LeaseLost(
+                    f"job {self.job_id} is no longer running under lease {self.lease_token}"
+                )
+            return self.cancel_requested
         outcome: dict[str, Any] = {}
 
         def renew() -> None:

@@ -27,7 +27,7 @@ from django.db.models.functions import Now
 from django.utils import timezone
 
 from . import lanes as lane_config
-from . import retention, sql
+from . import notify, retention, sql
 from .exceptions import (
     InvalidJob,
     JobNotFound,
@@ -43,8 +43,8 @@ from .sql import Claimed, Settlement
 
 log = get_logger("jobs.engine")
 
-NOTIFY_CHANNEL = "holdfast_jobs"
-CANCEL_CHANNEL = "holdfast_cancel"  # payload: the job id whose cancellation was requested
+NOTIFY_CHANNEL = notify.NOTIFY_CHANNEL
+CANCEL_CHANNEL = notify.CANCEL_CHANNEL  # payload: the job id whose cancellation was requested
 MAX_ERROR_MESSAGE = 10_000
 MAX_TRACEBACK = 50_000
 ARGS_ENCODER = json.JSONEncoder(allow_nan=False)  # strict JSON: no NaN or Infinity
@@ -180,7 +180,7 @@ def enqueue_many(
             )
         if keys is None:
             jobs = created
-        if created:
+        if created and _due_now(delay, run_at):  # a delayed job wakes no one now (notify.py)
             _notify(chosen.name)
     if len(created) > 100:  # one line per bulk call, not per job
         log.info("jobs_enqueued", kind=kind, lane=chosen.name, count=len(created))
@@ -421,10 +421,19 @@ def _args_key(kind: str, args_json: str) -> str:
 
 
 def _notify(lane: str) -> None:
-    """Wake idle PostgreSQL workers; NOTIFY is delivered only if the transaction commits."""
-    if sql.is_postgres():
-        with connection.cursor() as cursor:
-            cursor.execute("SELECT pg_notify(%s, %s)", [NOTIFY_CHANNEL, lane])
+    """Wake the idle workers of ``lane``; NOTIFY is delivered only if the transaction
+    commits (``jobs.notify``)."""
+    notify.notify_lanes([lane])
+
+
+def _due_now(delay: float | timedelta | None, run_at: datetime | None) -> bool:
+    """Whether jobs enqueued with these options are runnable at once (this host's clock
+    decides; a job it deems delayed is found by the idle workers' next-due look-up)."""
+    if run_at is not None:
+        return run_at <= timezone.now()
+    if delay is None:
+        return True
+    return (delay.total_seconds() if isinstance(delay, timedelta) else float(delay)) <= 0
 
 
 # --- claim and settle ------------------------------------------------------------------
@@ -569,6 +578,7 @@ CANCELLED = Verdict(
 def settle(job: Claimed, verdict: Verdict) -> None:
     """Write ``verdict`` for ``job``, fenced by its lease token; raise LeaseLost otherwise."""
     settled, _ = sql.settle_and_claim(job, verdict.how, None, None)
+    _notify_freed(job, settled, None)  # inside ctx.atomic(complete=True): sent at its commit
     if not _log_settled(job, verdict, settled):
         raise LeaseLost(f"job {job.id} is no longer running under lease {job.lease_token}")
 
@@ -593,6 +603,7 @@ def settle_and_claim(
     settled, claimed = sql.settle_and_claim(
         job, verdict.how if verdict else None, worker_id, lanes, limits, kinds
     )
+    _notify_freed(job, settled and verdict is not None, limits)
     if verdict is not None:
         _log_settled(job, verdict, settled)
     if worker_id is not None:
@@ -751,7 +762,9 @@ def heartbeat(job: Claimed) -> bool:
 # --- recovery --------------------------------------------------------------------------
 
 
-def reclaim_expired(limit: int = sql.RECLAIM_BATCH) -> list[int]:
+def reclaim_expired(
+    limit: int = sql.RECLAIM_BATCH, timeout_ms: int = sql.RECLAIM_STATEMENT_TIMEOUT_MS
+) -> list[int]:
     """Put ``running`` jobs whose lease expired back in the queue (or ``dead`` when spent).
 
     One statement for every expired lease (up to ``limit``), whatever their number
@@ -760,9 +773,14 @@ def reclaim_expired(limit: int = sql.RECLAIM_BATCH) -> list[int]:
     completed or renewed meanwhile, frees only the reclaimed lease's locks, and leaves
     ``run_at`` alone, so the job keeps its place in the queue. Each attempt it ends is
     recorded as ``lease_expired``: its worker died or stopped responding during it.
+    ``timeout_ms`` bounds the statement (PostgreSQL), e.g. on the lease keeper's
+    connection, which must renew its own lease on time.
     """
-    reclaimed = sql.reclaim(limit)
+    reclaimed = sql.reclaim(limit, timeout_ms=timeout_ms)
     _log_reclaimed(reclaimed)
+    if reclaimed:  # runnable again, and their locks are free
+        notify.notify_lanes({job.lane for job in reclaimed if job.state == State.QUEUED})
+        notify.notify_lanes({job.lane for job in reclaimed}, freed=True)
     return [job.id for job in reclaimed]
 
 
@@ -1061,8 +1079,18 @@ def _requeue_budget(kind: str) -> int:
 
 
 def _notify_lanes(lanes: Iterable[str]) -> None:
-    for lane in sorted(lanes):
-        _notify(lane)
+    notify.notify_lanes(lanes)
+
+
+def _notify_freed(job: Claimed, settled: bool, limits: Mapping[str, int] | None) -> None:
+    """After a settle: its resource locks are free (wake every idle worker: a job blocked
+    on them may be in any lane), or a slot of its limited lane (wake that lane's)."""
+    if not settled:
+        return
+    if job.locks:
+        notify.notify_lanes([job.lane], freed=True)
+    if job.lane in (lane_config.running_limits(None) if limits is None else limits):
+        notify.notify_lanes([job.lane])
 
 
 # --- workers ---------------------------------------------------------------------------

@@ -73,6 +73,8 @@ class Job(models.Model):
                 name="job_claim_any_lane_idx",
                 condition=Q(state="queued"),
             ),
+            # An idle worker's "when is the next job due?" (jobs.worker): a short range scan.
+            models.Index(fields=["run_at"], name="job_due_idx", condition=Q(state="queued")),
             # Also how reclaim finds the running rows (few: one per busy worker) to test
             # their expiry. No index holds lease_expires_at or heartbeat_at, so a heartbeat
             # is a HOT update (migration 0007_i16 leaves room on each page for it).

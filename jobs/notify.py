@@ -1,113 +1,189 @@
 """Wake-ups: LISTEN/NOTIFY on PostgreSQL, plain polling otherwise.
 
-Enqueue sends ``pg_notify('holdfast_jobs', lane)`` inside its transaction, so a worker
-waiting here wakes within milliseconds of the commit. Polling every
-``HOLDFAST_POLL_SECONDS`` stays as the fallback (delayed jobs, lost notifications, a
-listener connection that broke). Likewise ``cancel_job`` sends
-``pg_notify('holdfast_cancel', job_id)``, which a busy worker's lease keeper hears at
-once; the heartbeat's own check (at least every 5 s) stays as the fallback.
+Channels (all LISTENed on the worker's one *side* connection, the lease keeper's, whose
+thread reads them continuously, busy or idle, so the server's notification queue never
+waits on a worker):
+
+- ``lane_channel(lane)``: a job became runnable now in that lane (enqueue, requeue, a slot
+  of a limited lane freed). A worker started with ``--lanes`` LISTENs on its lanes'
+  channels only, so an enqueue elsewhere never reaches its process.
+- ``holdfast_jobs`` (``NOTIFY_CHANNEL``, payload: the lane): the same wake-ups for the
+  workers that serve every lane, including lanes their own settings do not declare yet.
+- ``holdfast_freed`` (payload: the lane): a job holding resource locks settled or was
+  reclaimed; its locks are free, so a job blocked on them (in any lane) may run now.
+- ``holdfast_cancel`` (payload: the job id): an operator asked to cancel a running job.
+
+Enqueue sends the lane's notifications inside its transaction (delivered iff it commits),
+and only for jobs due now: a delayed job wakes no one at enqueue. An idle worker instead
+asks the database when the next job of its lanes falls due (``jobs.sql``-free ORM query on
+a partial index) and sleeps no longer than that, at most ``HOLDFAST_POLL_SECONDS``. The
+keeper thread wakes the main thread only while it is idle.
 
 LISTEN needs a session of its own, which a transaction-mode pooler does not give: the
-listeners connect to ``HOLDFAST_LISTEN_DATABASE_URL`` when it is set (a direct connection
-to the same database), else to ``DATABASE_URL`` unless prepared statements are off (the
+side connection goes to ``HOLDFAST_LISTEN_DATABASE_URL`` when it is set (a direct
+connection to the same database; the keeper's heartbeats and reclaims then run there
+too), else to ``DATABASE_URL``; there it LISTENs unless prepared statements are off (the
 sign of a pooler), in which case workers poll. NOTIFY itself is transactional and works
 through a pooler.
+
+SQLite has no LISTEN: workers poll (``HOLDFAST_POLL_SECONDS``), and an enqueue or a freed
+lock in the same process wakes that process's idle workers at once (``wake_local``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import re
 import threading
 import time
+import weakref
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import psycopg
 from django.conf import settings
 from django.db import connection
 
-from .engine import CANCEL_CHANNEL, NOTIFY_CHANNEL
 from .log import get_logger
 
 log = get_logger("jobs.notify")
 
-RECONNECT_MIN = 1.0  # seconds before retrying a LISTEN connection that failed
+NOTIFY_CHANNEL = "holdfast_jobs"  # payload: the lane; heard by workers of every lane
+CANCEL_CHANNEL = "holdfast_cancel"  # payload: the job id whose cancellation was requested
+FREED_CHANNEL = "holdfast_freed"  # payload: the lane of a job whose resource locks freed
+RECONNECT_MIN = 1.0  # seconds before retrying a LISTEN that failed
 RECONNECT_MAX = 30.0
+_PLAIN_LANE = re.compile(r"[a-z0-9_]{1,40}")
+
+
+def lane_channel(lane: str) -> str:
+    """The channel of one lane: ``holdfast_lane_<lane>`` for short plain names, else a
+    hash of the name (channel names are identifiers: at most 63 bytes). The two forms
+    cannot collide: a hashed name carries a ``.``, which a plain one never does."""
+    if _PLAIN_LANE.fullmatch(lane):
+        return f"holdfast_lane_{lane}"
+    return "holdfast_lane." + hashlib.sha256(lane.encode()).hexdigest()[:32]
+
+
+def worker_channels(lanes: Sequence[str] | None) -> list[str]:
+    """What a worker serving ``lanes`` (None: every lane) LISTENs on."""
+    wake = [NOTIFY_CHANNEL] if lanes is None else sorted({lane_channel(lane) for lane in lanes})
+    return [*wake, FREED_CHANNEL, CANCEL_CHANNEL]
+
+
+def quote_channel(channel: str) -> str:
+    return '"' + channel.replace('"', '""') + '"'
+
+
+def notify_lanes(lanes: Iterable[str], freed: bool = False) -> None:
+    """Wake the idle workers serving ``lanes`` (``freed``: every idle worker, a lock is
+    free). PostgreSQL: NOTIFY, sent at commit of the current transaction, or at once in
+    autocommit. SQLite: this process's idle workers, after commit."""
+    lanes = sorted(set(lanes))
+    if not lanes:
+        return
+    if connection.vendor == "postgresql":
+        pairs: list[str] = []
+        for lane in lanes:
+            channels = [FREED_CHANNEL] if freed else [lane_channel(lane), NOTIFY_CHANNEL]
+            pairs.extend(part for channel in channels for part in (channel, lane))
+        calls = ", ".join("pg_notify(%s, %s)" for _ in range(len(pairs) // 2))
+        with connection.cursor() as cursor:
+            cursor.execute(f"SELECT {calls}", pairs)
+        return
+    from django.db import transaction
+
+    transaction.on_commit(lambda: wake_local(lanes, freed))
+
+
+# --- in-process wake-ups (SQLite, and every database within one process) --------------
+
+_local: weakref.WeakSet[PollWaker] = weakref.WeakSet()
+_local_lock = threading.Lock()
+
+
+def wake_local(lanes: Iterable[str], freed: bool = False) -> None:
+    lanes = set(lanes)
+    with _local_lock:
+        wakers = list(_local)
+    for waker in wakers:
+        if freed or waker.lanes is None or lanes & set(waker.lanes):
+            waker.wake()
 
 
 class PollWaker:
-    """Sleeps until the timeout or an explicit ``wake()`` (e.g. on shutdown)."""
+    """The main thread's sleep while idle: until the timeout, or a ``wake()`` (a
+    notification the keeper heard, a local enqueue, shutdown)."""
 
-    def __init__(self) -> None:
+    def __init__(self, lanes: Sequence[str] | None = None) -> None:
+        self.lanes = list(lanes) if lanes is not None else None
         self._event = threading.Event()
+        with _local_lock:
+            _local.add(self)
 
-    def wait(self, timeout: float) -> None:
-        self._event.wait(timeout)
+    def wait(self, timeout: float) -> bool:
+        """Sleep; returns whether something woke it."""
+        woken = self._event.wait(max(0.0, timeout))
         self._event.clear()
+        return woken
 
     def wake(self) -> None:
         self._event.set()
 
     def close(self) -> None:
         self.wake()
+        with _local_lock:
+            _local.discard(self)
 
 
-class Listener:
-    """A dedicated autocommit connection LISTENing on one channel, reconnected on demand."""
+class SideListener:
+    """LISTEN on the calling thread's own Django connection (the keeper's side
+    connection), re-issued whenever that connection was replaced (a reconnect)."""
 
-    def __init__(self, settings_dict: dict[str, Any], channel: str) -> None:
-        self._settings = settings_dict
-        self._channel = channel
-        self._conn: psycopg.Connection | None = None
-        self._retry_at = 0.0  # monotonic: no reconnect attempt before this
+    def __init__(self, channels: Sequence[str]) -> None:
+        self.channels = list(channels)
+        self._on: Any = None  # the psycopg connection that LISTENs now
+        self._retry_at = 0.0
         self._backoff = RECONNECT_MIN
 
-    def _connect(self) -> psycopg.Connection | None:
-        """The LISTEN connection, or None while the database is unreachable.
-
-        Reconnects back off (up to ``RECONNECT_MAX``), so a thread that also has other
-        duties (the lease keeper) is not held up by connect timeouts during an outage.
-        """
-        if self._conn is not None and not self._conn.closed:
-            return self._conn
+    def _ensure(self) -> Any:
+        raw = connection.connection
+        if raw is not None and raw is self._on and not raw.closed:
+            return raw
         if time.monotonic() < self._retry_at:
             return None
-        params = {
-            # The database's libpq options too (TCP keepalives, so an idle LISTEN on a
-            # primary that vanished is noticed; sslmode; application_name ...).
-            **libpq_options(self._settings),
-            "dbname": self._settings["NAME"],
-            "user": self._settings.get("USER") or None,
-            "password": self._settings.get("PASSWORD") or None,
-            "host": self._settings.get("HOST") or None,
-            "port": self._settings.get("PORT") or None,
-            "connect_timeout": 5,
-        }
         try:
-            conn = psycopg.connect(
-                **{k: v for k, v in params.items() if v is not None}, autocommit=True
-            )
-            conn.execute(f"LISTEN {self._channel}")
-        except psycopg.Error as exc:
+            connection.ensure_connection()
+            with connection.cursor() as cursor:
+                cursor.execute("; ".join(f"LISTEN {quote_channel(c)}" for c in self.channels))
+        except Exception as exc:
             log.warning(
-                "listen_unavailable",
-                channel=self._channel,
-                error=str(exc).strip(),
-                retry_in=self._backoff,
+                "listen_unavailable", error=" ".join(str(exc).split()), retry_in=self._backoff
             )
             self._retry_at = time.monotonic() + self._backoff
             self._backoff = min(self._backoff * 2, RECONNECT_MAX)
+            with contextlib.suppress(Exception):
+                connection.close()
             return None
-        self._conn, self._backoff = conn, RECONNECT_MIN
-        return conn
+        self._on, self._backoff = connection.connection, RECONNECT_MIN
+        log.info("listening", channels=self.channels)
+        return self._on
 
-    def _drop(self) -> None:
-        if self._conn is not None:
-            with contextlib.suppress(psycopg.Error):
-                self._conn.close()
-        self._conn = None
-
-    def close(self) -> None:
-        self._drop()
+    def poll(self, timeout: float) -> list[psycopg.Notify] | None:
+        """Notifications received within ``timeout`` seconds (those that arrived during
+        other statements first); None while not listening (the caller sleeps instead)."""
+        raw = self._ensure()
+        if raw is None:
+            return None
+        try:
+            return list(raw.notifies(timeout=max(0.0, timeout)))
+        except psycopg.Error as exc:
+            log.warning("listen_lost", error=" ".join(str(exc).split()))
+            self._on = None
+            with contextlib.suppress(Exception):
+                connection.close()
+            return None
 
 
 # OPTIONS of a Django database that are Django's or psycopg's own, not libpq's.
@@ -130,80 +206,48 @@ def libpq_options(settings_dict: dict[str, Any]) -> dict[str, Any]:
     return {key: value for key, value in options.items() if key not in NOT_LIBPQ}
 
 
-class CancelListener(Listener):
-    """The lease keeper's ear for cancel requests (PostgreSQL)."""
-
-    def __init__(self, settings_dict: dict[str, Any]) -> None:
-        super().__init__(settings_dict, CANCEL_CHANNEL)
-
-    def poll(self, timeout: float) -> set[int]:
-        """Wait up to ``timeout`` seconds; return the job ids whose cancel was requested."""
-        conn = self._connect()
-        if conn is None:
-            time.sleep(timeout)
-            return set()
-        try:
-            return {
-                int(note.payload)
-                for note in conn.notifies(timeout=timeout)
-                if note.payload.isdigit()
-            }
-        except psycopg.Error as exc:
-            log.warning("listen_lost", channel=self._channel, error=str(exc).strip())
-            self._drop()
-            return set()
-
-
-class PostgresWaker(PollWaker, Listener):
-    """Waits on a dedicated LISTEN connection; falls back to polling while it is down."""
-
-    def __init__(self, settings_dict: dict[str, Any]) -> None:
-        PollWaker.__init__(self)
-        Listener.__init__(self, settings_dict, NOTIFY_CHANNEL)
-
-    def wait(self, timeout: float) -> None:
-        conn = self._connect()
-        if conn is None or self._event.is_set():
-            super().wait(timeout)
-            return
-        try:
-            for _ in conn.notifies(timeout=timeout, stop_after=1):
-                break
-        except psycopg.Error as exc:
-            log.warning("listen_lost", error=str(exc).strip())
-            self._drop()
-            super().wait(min(timeout, 1.0))
-
-    def close(self) -> None:
-        self._drop()
-
-
-def listen_settings() -> dict[str, Any] | None:
-    """Where the LISTEN connections go, or None when workers must poll (see above)."""
+def side_database() -> dict[str, Any] | None:
+    """Where the side connection goes when not to ``DATABASE_URL``: the direct database
+    named by ``HOLDFAST_LISTEN_DATABASE_URL`` (PostgreSQL), else None."""
     if connection.vendor != "postgresql":
         return None
     direct = getattr(settings, "HOLDFAST_LISTEN_DATABASE", None)
-    if direct:
-        return dict(direct)
-    if not getattr(settings, "HOLDFAST_PREPARED_STATEMENTS", True):
-        return None  # behind a pooler, and no direct connection named
-    return dict(connection.settings_dict)
+    return dict(direct) if direct else None
 
 
-def waker_for_database() -> PollWaker:
-    where = listen_settings()
-    if where is not None:
-        return PostgresWaker(where)
-    if connection.vendor == "postgresql":
+def listens() -> bool:
+    """Whether the side connection LISTENs (else the workers poll; see above)."""
+    if connection.vendor != "postgresql":
+        return False
+    if side_database() is not None:
+        return True
+    return bool(getattr(settings, "HOLDFAST_PREPARED_STATEMENTS", True))
+
+
+def use_side_database() -> None:
+    """In the calling thread (the keeper), make Django's default connection the direct
+    database of ``HOLDFAST_LISTEN_DATABASE_URL``, if one is set: every statement the
+    thread runs (heartbeats, reclaim, LISTEN, the scheduler) goes there, on one session.
+    Other threads keep their own connection to ``DATABASE_URL``."""
+    direct = side_database()
+    if direct is None:
+        return
+    from django.db import connections
+    from django.db.utils import load_backend
+
+    base = dict(connections.settings["default"])
+    for key in ("NAME", "USER", "PASSWORD", "HOST", "PORT", "OPTIONS"):
+        if key in direct:
+            base[key] = direct[key]
+    backend = load_backend(base["ENGINE"])
+    connections["default"] = backend.DatabaseWrapper(base, "default")
+
+
+def log_polling(poll_seconds: float) -> None:
+    if connection.vendor == "postgresql" and not listens():
         log.info(
             "listen_disabled",
             reason="HOLDFAST_PREPARED_STATEMENTS is off and HOLDFAST_LISTEN_DATABASE_URL "
             "is unset: polling",
-            poll_seconds=settings.HOLDFAST_POLL_SECONDS,
+            poll_seconds=poll_seconds,
         )
-    return PollWaker()
-
-
-def cancel_listener_for_database() -> CancelListener | None:
-    where = listen_settings()
-    return CancelListener(where) if where is not None else None

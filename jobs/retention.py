@@ -13,7 +13,7 @@ pruning never lowers them; each batch takes its jobs off the finished jobs' coun
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from datetime import timedelta
 
 from django.conf import settings
@@ -47,9 +47,11 @@ def prune(
     batch: int = BATCH,
     max_batches: int | None = None,
     dry_run: bool = False,
+    between: Callable[[], None] | None = None,
 ) -> dict[str, int]:
     """Delete the jobs of each state in ``rules`` that finished longer ago than its time
-    (database clock); returns how many per state (with ``dry_run``: how many would go)."""
+    (database clock); returns how many per state (with ``dry_run``: how many would go).
+    ``between`` runs after each batch (a worker's lease keeper renews there)."""
     found: dict[str, int] = {}
     for state, older_than in rules.items():
         if state not in FINISHED_STATES:
@@ -80,6 +82,8 @@ def prune(
                 sql.count_jobs(gone)  # the finished jobs' counts, in the same transaction
             found[state] -= sum(gone.values())
             batches += 1
+            if between is not None:
+                between()
     return found
 
 
@@ -90,11 +94,11 @@ class Retention:
     def __init__(self) -> None:
         self.next_at = 0.0
 
-    def run_if_due(self, now: float) -> None:
+    def run_if_due(self, now: float, between: Callable[[], None] | None = None) -> None:
         if now < self.next_at:
             return
         rules = configured()
-        deleted = prune(rules, max_batches=SCHEDULED_BATCHES) if rules else {}
+        deleted = prune(rules, max_batches=SCHEDULED_BATCHES, between=between) if rules else {}
         left_behind = any(n >= SCHEDULED_BATCHES * BATCH for n in deleted.values())
         self.next_at = now + (0.0 if left_behind else float(settings.HOLDFAST_RETENTION_SECONDS))
         if any(deleted.values()):

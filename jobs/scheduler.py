@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -81,8 +82,9 @@ def _add(name: str, definition: dict[str, Any], now: datetime) -> None:
     log.info("schedule_added", schedule=name, next_due_at=due.isoformat())
 
 
-def tick(now: datetime | None = None) -> list[int]:
-    """Enqueue the job of every due slot; returns the ids of the jobs enqueued."""
+def tick(now: datetime | None = None, between: Callable[[], None] | None = None) -> list[int]:
+    """Enqueue the job of every due slot; returns the ids of the jobs enqueued. ``between``
+    runs after each slot (the lease keeper's heartbeat, in ``runworker --with-scheduler``)."""
     now = now or engine.db_now()
     due = Schedule.objects.filter(declared=True, paused=False, next_due_at__lte=now)
     enqueued = []
@@ -90,6 +92,8 @@ def tick(now: datetime | None = None) -> list[int]:
         job_id = _advance(pk, now)
         if job_id is not None:
             enqueued.append(job_id)
+        if between is not None:
+            between()
     return enqueued
 
 
@@ -197,7 +201,9 @@ def overdue(now: datetime) -> list[dict[str, Any]]:
 
 
 class SchedulerLoop:
-    """``runscheduler``'s loop (also a thread of ``runworker --with-scheduler``).
+    """``runscheduler``'s loop. In ``runworker --with-scheduler`` the worker's lease keeper
+    runs its passes instead (``run_once``, renewing its lease in ``between``), on the
+    keeper's connection: a worker uses two connections, with the scheduler or without.
 
     Every pass reclaims expired leases and ticks; it then sleeps until the next due slot,
     at most ``MAX_SLEEP`` seconds, measured on the monotonic clock and recomputed from the
@@ -207,16 +213,13 @@ class SchedulerLoop:
     def __init__(self, stop: threading.Event | None = None) -> None:
         self.stop = stop or threading.Event()
         self.retention = retention.Retention()
+        self._synced = False
 
     def run(self) -> None:
         delay = 0.5
-        synced = False
         while not self.stop.is_set():
             try:
-                if not synced:
-                    sync()
-                    synced = True
-                sleep = self.run_once()
+                sleep = self.synced_pass()
                 delay = 0.5
             except (OperationalError, InterfaceError) as exc:
                 log.error(
@@ -230,12 +233,23 @@ class SchedulerLoop:
             self.stop.wait(sleep)
         connection.close()
 
-    def run_once(self) -> float:
-        """One pass; returns how long to sleep before the next."""
-        engine.reclaim_expired()
+    def synced_pass(self, between: Callable[[], None] | None = None) -> float:
+        """A pass of a running loop: the first one syncs the schedule rows first (again
+        after a failed sync). ``between`` given (a worker's lease keeper, which reclaims
+        on its own): no reclaim here, ``between`` after each transaction."""
+        if not self._synced:
+            sync()
+            self._synced = True
+        return self.run_once(reclaim=between is None, between=between)
+
+    def run_once(self, reclaim: bool = True, between: Callable[[], None] | None = None) -> float:
+        """One pass; returns how long to sleep before the next. ``reclaim=False`` when the
+        caller reclaims on its own; ``between`` runs between the pass's transactions."""
+        if reclaim:
+            engine.reclaim_expired()
         now = engine.db_now()
-        tick(now)
-        self.retention.run_if_due(time.monotonic())  # built-in retention, batched
+        tick(now, between)
+        self.retention.run_if_due(time.monotonic(), between)  # built-in retention, batched
         upcoming = (
             Schedule.objects.filter(declared=True, paused=False)
             .order_by("next_due_at")

@@ -554,7 +554,7 @@ def _last_row(query: str, params: dict[str, Any]) -> Any:
 # keeps its place in the queue.
 PG_RECLAIM_SETTINGS = f"""
 SET LOCAL lock_timeout TO '{ENGINE_LOCK_TIMEOUT_MS}ms';
-SET LOCAL statement_timeout TO '{RECLAIM_STATEMENT_TIMEOUT_MS}ms';
+SET LOCAL statement_timeout TO '{{timeout_ms}}ms';
 """
 
 PG_RECLAIM = f"""
@@ -711,13 +711,15 @@ def reclaim(
     job_id: int | None = None,
     cancel: bool = False,
     actor: str = "",
+    timeout_ms: int = RECLAIM_STATEMENT_TIMEOUT_MS,
 ) -> list[Reclaimed]:
     """End expired leases (up to ``limit``, or only ``job_id``'s) in a bounded few
     statements: the job back to ``queued`` (``dead`` when its attempts are spent, or
     ``cancelled`` with ``cancel``), the attempt ``lease_expired``, its locks freed."""
     if is_postgres():
         params = {"limit": limit, "job_id": job_id, "cancel": cancel, "actor": actor}
-        rows = _all_rows(_own_transaction(PG_RECLAIM_SETTINGS, PG_RECLAIM), params)
+        settings = PG_RECLAIM_SETTINGS.format(timeout_ms=int(timeout_ms))
+        rows = _all_rows(_own_transaction(settings, PG_RECLAIM), params)
         return [Reclaimed(*row) for row in rows]
     return _sqlite_reclaim(limit, job_id, cancel, actor)
 

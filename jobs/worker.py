@@ -1,13 +1,21 @@
 """The worker process: claim one job at a time (I7), run its handler, settle it.
 
-Three threads share the work, each with its own database connection. The main thread
-claims (only kinds it has handlers for), runs the handler and settles. The *lease
-keeper* renews the current job's lease every third of its length (fenced: a lost lease
-is flagged on ``ctx``), refreshes the worker's own heartbeat, hears cancel requests and
-enforces the shutdown grace period. The *reclaimer* ends expired leases of other workers
-at least every ``HOLDFAST_RECLAIM_SECONDS`` (and prunes the rows of workers gone longer
-than ``HOLDFAST_WORKER_RETENTION_SECONDS``), on its own connection and timing, so a big
-reclaim never delays this worker's own renewals.
+Two threads, two database connections. The main thread claims (only kinds it has
+handlers for), runs the handler and settles; idle, it sleeps until a wake-up, the next
+job of its lanes falls due, or ``HOLDFAST_POLL_SECONDS``, whichever comes first. The
+*lease keeper* owns the other, *side* connection (``jobs.notify``: to
+``HOLDFAST_LISTEN_DATABASE_URL`` when set) and does everything else on it, in one loop
+whose first step is always the heartbeat: it renews the current job's lease every third
+of its length (fenced: a lost lease is flagged on ``ctx``; ``ctx.heartbeat()`` inside a
+transaction asks it too), refreshes the worker's own heartbeat, enforces the shutdown
+grace period, ends expired leases of other workers at least every
+``HOLDFAST_RECLAIM_SECONDS`` (and prunes the rows of workers gone longer than
+``HOLDFAST_WORKER_RETENTION_SECONDS``), runs the scheduler's passes with
+``--with-scheduler``, and reads its LISTEN channels (wake-ups, freed locks, cancels) in
+between, busy or idle. A reclaim there is bounded (a statement timeout of a quarter of the
+shortest lease this worker may hold, a smaller batch after a timeout), and the scheduler's
+passes renew between their steps, so neither delays this worker's own renewals past its
+lease.
 
 A handler cannot kill its worker: anything it raises (``SystemExit`` and
 ``KeyboardInterrupt`` included) is a failed attempt. If the lease keeper itself dies, the
@@ -36,6 +44,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Sequence
+from datetime import timedelta
 from types import FrameType
 from typing import Any, TypeVar
 
@@ -48,19 +57,16 @@ from django.db import (
     close_old_connections,
     connection,
 )
+from django.db.models.functions import Now
 
-from . import engine, sql
+from . import engine, notify, sql
 from . import lanes as lane_config
 from .context import JobContext
 from .exceptions import Cancelled, LeaseLost, PermanentError, UnknownKind
 from .log import bound_context, get_logger
-from .notify import (
-    CancelListener,
-    PollWaker,
-    cancel_listener_for_database,
-    waker_for_database,
-)
-from .registry import HandlerSpec, autodiscover, get_handler
+from .models import Job, State
+from .notify import PollWaker, SideListener
+from .registry import HandlerSpec, all_handlers, autodiscover, get_handler
 from .scheduler import SchedulerLoop
 from .sql import Claimed
 
@@ -73,6 +79,10 @@ INTERRUPTED_RETRY_SECONDS = 1.0  # a job given back after a database fault runs 
 RELEASE_LOCK_WAIT = 2.0  # seconds the shutdown release may wait for the job row
 EXIT_KEEPER_DIED = 70  # EX_SOFTWARE: the lease keeper thread died; restart the worker
 KEEPER_DEATH_RELEASE_SECONDS = 10.0  # how long a dying keeper tries to give jobs back
+KEEPER_TICK = 0.25  # seconds: the keeper's longest wait on its LISTEN channels
+WORKER_BEAT_SECONDS = 5.0  # the worker row's heartbeat
+MIN_RECLAIM_BATCH = 100
+MIN_RECLAIM_BUDGET_MS = 200
 
 
 class GaveUp(Exception):
@@ -81,10 +91,14 @@ class GaveUp(Exception):
 
 @dataclasses.dataclass
 class _KeeperState:
-    """What the lease keeper remembers between passes."""
+    """What the lease keeper remembers between passes (times: monotonic)."""
 
-    last_job_beat: tuple[int, float] | None = None  # (lease id, monotonic time)
+    last_job_beat: tuple[int, float] | None = None  # (lease id, time)
     next_worker_beat: float = 0.0
+    next_reclaim: float = 0.0
+    reclaim_limit: int = sql.RECLAIM_BATCH
+    next_schedule: float = 0.0
+    schedule_backoff: float = 0.5
 
 
 class WorkerProcess:
@@ -110,6 +124,10 @@ class WorkerProcess:
         )
         self.stop_requested_at: float | None = None
         self.current: tuple[Claimed, JobContext] | None = None
+        self._current_since = 0.0  # monotonic: when the current job was claimed
+        self._renewals: list[threading.Event] = []  # ctx.heartbeat() asking the keeper
+        self._scheduler: SchedulerLoop | None = None
+        self._min_lease = float(settings.HOLDFAST_LEASE_SECONDS)
         self.processed = 0
         self._waker: PollWaker = PollWaker()
         self._keeper_stop = threading.Event()
@@ -124,13 +142,16 @@ class WorkerProcess:
         self.kinds = engine.served_kinds()
         previous = self._install_signal_handlers()
         structlog.contextvars.bind_contextvars(worker_id=self.worker_id)
-        self._waker = waker_for_database()
-        keeper = threading.Thread(target=self._keep_leases, name="lease-keeper", daemon=True)
-        reclaimer = threading.Thread(target=self._reclaim_loop, name="reclaimer", daemon=True)
-        # For small installs: the scheduler's loop in a thread of its own (own connection).
-        schedules = threading.Thread(
-            target=SchedulerLoop(self._keeper_stop).run, name="scheduler", daemon=True
+        self._waker = PollWaker(self.lanes)
+        notify.log_polling(self.poll_seconds)
+        # For small installs: the scheduler's passes, run by the lease keeper on its side
+        # connection (no thread or connection of their own).
+        self._scheduler = SchedulerLoop(self._keeper_stop) if self.with_scheduler else None
+        self._min_lease = min(
+            [float(settings.HOLDFAST_LEASE_SECONDS)]
+            + [float(spec.lease_seconds) for spec in all_handlers() if spec.lease_seconds]
         )
+        keeper = threading.Thread(target=self._keep_leases, name="lease-keeper", daemon=True)
         try:
             # A signal while the database is still unreachable stops the worker: it holds
             # nothing yet, so there is nothing to hand back.
@@ -140,16 +161,12 @@ class WorkerProcess:
                     give_up=lambda: self.stopping,
                 )
                 keeper.start()
-                reclaimer.start()
-                if self.with_scheduler:
-                    schedules.start()
                 self._loop()
         finally:
             self._keeper_stop.set()
             self._waker.close()
-            for thread in (keeper, reclaimer, schedules):
-                if thread.is_alive():
-                    thread.join(timeout=10)
+            if keeper.is_alive():
+                keeper.join(timeout=10)
             self._quietly(lambda: engine.worker_stopped(self.worker_id))
             log.info("worker_exiting", processed=self.processed)
             for signum, handler in previous.items():
@@ -177,7 +194,18 @@ class WorkerProcess:
             elif self.stopping:
                 return
             else:
-                self._waker.wait(self.poll_seconds)
+                self._waker.wait(self._idle_wait())
+
+    def _idle_wait(self) -> float:
+        """How long to sleep idle: until the next job of this worker's lanes falls due,
+        at most ``poll_seconds`` (one look-up on the partial index ``job_due_idx``)."""
+        try:
+            due_in = next_due_in(self.lanes, self.poll_seconds)
+        except DatabaseError:
+            return self.poll_seconds  # the next claim meets it and retries with backoff
+        if due_in is None:
+            return self.poll_seconds
+        return min(self.poll_seconds, max(0.01, due_in + 0.005))
 
     def _claim(self) -> Claimed | None:
         if self.stopping:
@@ -219,8 +247,10 @@ class WorkerProcess:
     def _run(self, job: Claimed) -> Claimed | None:
         """Run ``job``, settle it, and return the next job claimed in that same commit."""
         ctx = JobContext(job, self.worker_id, own_connection=True)
+        ctx.renew_elsewhere = self._ask_keeper_to_renew
         with self._current_lock:
             self.current = (job, ctx)
+            self._current_since = time.monotonic()
         bound = engine.job_log_context(job, self.worker_id)
         structlog.contextvars.bind_contextvars(**bound)
         try:
@@ -313,7 +343,8 @@ class WorkerProcess:
     # --- the lease keeper thread -------------------------------------------------------
 
     def _keep_leases(self) -> None:
-        listener = cancel_listener_for_database()
+        notify.use_side_database()  # this thread's connection: the side connection
+        listener = SideListener(notify.worker_channels(self.lanes)) if notify.listens() else None
         state = _KeeperState()
         try:
             while not self._keeper_stop.is_set():
@@ -321,35 +352,145 @@ class WorkerProcess:
         except BaseException as exc:
             self._keeper_died(exc)
         finally:
-            if listener is not None:
-                listener.close()
             close_old_connections()
             connection.close()
 
-    def _keeper_tick(self, listener: CancelListener | None, state: _KeeperState) -> None:
-        """One pass of the lease keeper: hear cancels, renew, heartbeat, enforce grace."""
-        cancels = listener.poll(0.25) if listener else set()
-        if listener is None:
-            self._keeper_stop.wait(0.25)
-        now = time.monotonic()
+    def _keeper_tick(self, listener: SideListener | None, state: _KeeperState) -> None:
+        """One pass of the lease keeper: heartbeats first, then grace, reclaim, the
+        scheduler, and the LISTEN channels until the next beat (at most ``KEEPER_TICK``)."""
+        self._beat(state)
         with self._current_lock:
             current = self.current
         if current is not None:
+            self._enforce_grace(current[0])
+        if time.monotonic() >= state.next_reclaim:
+            self._reclaim_pass(state)
+            self._beat(state)
+        if self._scheduler is not None and time.monotonic() >= state.next_schedule:
+            self._schedule_pass(state)
+        self._listen(listener, state)
+
+    def _beat(self, state: _KeeperState) -> None:
+        """Renew the current job's lease when due (or asked), and the worker's row."""
+        now = time.monotonic()
+        with self._current_lock:
+            current, since = self.current, self._current_since
+            asked, self._renewals = self._renewals, []
+        if current is not None:
             job, ctx = current
-            if job.id in cancels and not ctx.cancel_requested:
-                log.info("cancel_request_heard", job_id=job.id)
-                ctx.mark_cancel_requested()
-            interval = min(job.lease_seconds / 3, 5.0)
             if state.last_job_beat is None or state.last_job_beat[0] != job.lease_id:
-                state.last_job_beat = (job.lease_id, now)
-            elif now - state.last_job_beat[1] >= interval:
+                state.last_job_beat = (job.lease_id, since)  # the claim renewed it
+            if asked or now - state.last_job_beat[1] >= self._beat_interval(job):
                 state.last_job_beat = (job.lease_id, now)
                 self._quietly(functools.partial(self._renew, ctx))
-            self._enforce_grace(job)
+        for request in asked:
+            request.set()
         if now >= state.next_worker_beat:
-            state.next_worker_beat = now + 5
+            state.next_worker_beat = now + WORKER_BEAT_SECONDS
             job_id = current[0].id if current else None
             self._quietly(functools.partial(engine.worker_heartbeat, self.worker_id, job_id))
+
+    @staticmethod
+    def _beat_interval(job: Claimed) -> float:
+        return min(job.lease_seconds / 3, 5.0)
+
+    def _ask_keeper_to_renew(self, timeout: float) -> bool:
+        """For ``ctx.heartbeat()`` inside a transaction: the keeper renews at once, on its
+        connection (no third one); returns whether it did within ``timeout``."""
+        done = threading.Event()
+        with self._current_lock:
+            self._renewals.append(done)
+        return done.wait(timeout)
+
+    def _listen(self, listener: SideListener | None, state: _KeeperState) -> None:
+        """Read the LISTEN channels until the next job beat is due (at most
+        ``KEEPER_TICK``): cancels are flagged on ``ctx``, wake-ups wake the main thread
+        only while it is idle, and nothing is left unread on the server."""
+        timeout = KEEPER_TICK
+        with self._current_lock:
+            current = self.current
+        if current is not None and state.last_job_beat is not None:
+            due = state.last_job_beat[1] + self._beat_interval(current[0])
+            timeout = min(timeout, max(0.0, due - time.monotonic()))
+        notes = listener.poll(timeout) if listener is not None else None
+        if notes is None:
+            self._keeper_stop.wait(timeout)
+            return
+        cancels = {
+            int(note.payload)
+            for note in notes
+            if note.channel == notify.CANCEL_CHANNEL and note.payload.isdigit()
+        }
+        with self._current_lock:
+            current = self.current
+        if current is None:
+            if any(note.channel != notify.CANCEL_CHANNEL for note in notes):
+                self._waker.wake()
+            return
+        job, ctx = current
+        if job.id in cancels and not ctx.cancel_requested:
+            log.info("cancel_request_heard", job_id=job.id)
+            ctx.mark_cancel_requested()
+
+    def _reclaim_budget_ms(self) -> int:
+        """The reclaim's statement timeout on the side connection: a quarter of the
+        shortest lease this worker may hold, so a renewal behind it is still on time."""
+        shortest = self._min_lease
+        with self._current_lock:
+            if self.current is not None:
+                shortest = min(shortest, self.current[0].lease_seconds)
+        budget = int(shortest * 1000 / 4)
+        return max(MIN_RECLAIM_BUDGET_MS, min(sql.RECLAIM_STATEMENT_TIMEOUT_MS, budget))
+
+    def _reclaim_pass(self, state: _KeeperState) -> None:
+        """End other workers' expired leases, every ``HOLDFAST_RECLAIM_SECONDS`` (at once
+        again while a pass fills its batch); a pass that ran out of time halves the batch."""
+        every = float(settings.HOLDFAST_RECLAIM_SECONDS)
+        limit = state.reclaim_limit
+        try:
+            reclaimed = engine.reclaim_expired(limit, timeout_ms=self._reclaim_budget_ms())
+        except DatabaseError as exc:
+            if _timed_out(exc) and limit > MIN_RECLAIM_BATCH:
+                state.reclaim_limit = max(MIN_RECLAIM_BATCH, limit // 2)
+                log.warning("reclaim_batch_reduced", batch=state.reclaim_limit)
+                state.next_reclaim = time.monotonic() + KEEPER_TICK
+                return
+            state.next_reclaim = time.monotonic() + every
+            self._quietly(functools.partial(_reraise, exc))
+            return
+        except Exception:
+            log.exception("background_step_failed")
+            state.next_reclaim = time.monotonic() + every
+            return
+        if len(reclaimed) >= limit:
+            state.next_reclaim = 0.0  # a full batch: more may be waiting
+            state.reclaim_limit = min(sql.RECLAIM_BATCH, limit * 2)
+            return
+        self._quietly(engine.prune_workers)  # rows of long-gone workers
+        state.next_reclaim = time.monotonic() + every
+
+    def _schedule_pass(self, state: _KeeperState) -> None:
+        """``--with-scheduler``: one scheduler pass, renewing between its steps."""
+        assert self._scheduler is not None
+        try:
+            sleep = self._scheduler.synced_pass(between=lambda: self._beat(state))
+            state.schedule_backoff = 0.5
+        except DB_ERRORS as exc:
+            log.error(
+                "database_unavailable",
+                during="scheduler",
+                error=_one_line(exc),
+                retry_in=state.schedule_backoff,
+            )
+            connection.close()
+            sleep, state.schedule_backoff = (
+                state.schedule_backoff,
+                min(state.schedule_backoff * 2, MAX_DB_BACKOFF),
+            )
+        except Exception:
+            log.exception("background_step_failed", during="scheduler")
+            sleep = state.schedule_backoff
+        state.next_schedule = time.monotonic() + sleep
 
     def _keeper_died(self, exc: BaseException) -> None:
         """The lease keeper failed: nothing renews leases any more. Stop taking work, give
@@ -377,21 +518,6 @@ class WorkerProcess:
         self._quietly(lambda: engine.worker_stopped(self.worker_id))
         sys.stderr.flush()
         os._exit(EXIT_KEEPER_DIED)
-
-    def _reclaim_loop(self) -> None:
-        """End other workers' expired leases, every ``HOLDFAST_RECLAIM_SECONDS`` (at once
-        again while a pass fills its batch), on this thread's own connection."""
-        every = float(settings.HOLDFAST_RECLAIM_SECONDS)
-        try:
-            while not self._keeper_stop.is_set():
-                reclaimed: list[int] = []
-                self._quietly(lambda: reclaimed.extend(engine.reclaim_expired()))  # noqa: B023
-                if len(reclaimed) < sql.RECLAIM_BATCH:
-                    self._quietly(engine.prune_workers)  # rows of long-gone workers
-                    self._keeper_stop.wait(every)
-        finally:
-            close_old_connections()
-            connection.close()
 
     def _renew(self, ctx: JobContext) -> None:
         if ctx.lease_lost or ctx.settling:
@@ -481,6 +607,30 @@ class WorkerProcess:
             connection.close()
         except Exception:
             log.exception("background_step_failed")
+
+
+def next_due_in(lanes: Sequence[str] | None, horizon: float) -> float | None:
+    """Seconds until the next queued job of ``lanes`` (None: any) falls due, if one does
+    within ``horizon`` seconds: a range scan of ``job_due_idx``, bounded by the horizon."""
+    due = Job.objects.filter(
+        state=State.QUEUED, run_at__gt=Now(), run_at__lte=Now() + timedelta(seconds=horizon)
+    )
+    if lanes is not None:
+        due = due.filter(lane__in=lanes)
+    row = due.annotate(now=Now()).order_by("run_at").values_list("run_at", "now").first()
+    return None if row is None else max(0.0, (row[0] - row[1]).total_seconds())
+
+
+def _timed_out(exc: BaseException) -> bool:
+    """The statement ran past its ``statement_timeout`` (PostgreSQL)."""
+    import psycopg
+
+    cause = exc if isinstance(exc, psycopg.Error) else exc.__cause__
+    return isinstance(cause, psycopg.errors.QueryCanceled)
+
+
+def _reraise(exc: BaseException) -> None:
+    raise exc
 
 
 def _flush_progress(ctx: JobContext) -> None:

@@ -1,36 +1,64 @@
-"""The workers' LISTEN connections are opened like the database's own connection: with
-its libpq options (TCP keepalives, so a LISTEN on a primary that vanished without a word
-is noticed; sslmode; application_name), not bare."""
+"""The lease keeper's side connection: with ``HOLDFAST_LISTEN_DATABASE_URL`` set, the
+keeper thread's Django connection goes there (its heartbeats, reclaims and LISTEN on one
+session), opened like the database's own connection: with its libpq options (TCP
+keepalives, so a LISTEN on a primary that vanished without a word is noticed; sslmode;
+application_name), not bare. Other threads keep their connection to ``DATABASE_URL``."""
 
 from __future__ import annotations
+
+import threading
+from typing import Any
 
 import pytest
 from django.db import connection
 
-from jobs.notify import CancelListener, PostgresWaker
+from jobs import notify
+from jobs.notify import SideListener
 
 pytestmark = [pytest.mark.postgres, pytest.mark.django_db(transaction=True)]
 
 
-@pytest.mark.parametrize("listener_class", [CancelListener, PostgresWaker])
-def test_listen_connections_use_the_databases_libpq_options(listener_class):
-    settings_dict = dict(connection.settings_dict)
-    assert settings_dict["OPTIONS"]["keepalives_idle"] == 30  # config/settings.py
-    settings_dict["OPTIONS"] = {**settings_dict["OPTIONS"], "application_name": "hf-listen"}
-    listener = listener_class(settings_dict)
+def test_the_side_connection_goes_to_the_listen_database_with_its_options(settings: Any) -> None:
+    direct = dict(connection.settings_dict)
+    assert direct["OPTIONS"]["keepalives_idle"] == 30  # config/settings.py
+    direct["OPTIONS"] = {**direct["OPTIONS"], "application_name": "hf-listen"}
+    settings.HOLDFAST_LISTEN_DATABASE = direct
+    seen: dict[str, Any] = {}
+    done, release = threading.Event(), threading.Event()
+
+    def keeper() -> None:
+        try:
+            notify.use_side_database()
+            listener = SideListener(notify.worker_channels(["default"]))
+            assert listener.poll(0.0) == []
+            from django.db import connection as side
+
+            seen["dsn"] = dict(part.split("=", 1) for part in side.connection.info.dsn.split())
+            done.set()
+            release.wait(10)
+        finally:
+            from django.db import connection as side
+
+            side.close()
+
+    thread = threading.Thread(target=keeper)
+    thread.start()
     try:
-        conn = listener._connect()
-        assert conn is not None
-        dsn = dict(part.split("=", 1) for part in conn.info.dsn.split())
-        assert (dsn["keepalives"], dsn["keepalives_idle"], dsn["keepalives_count"]) == (
+        assert done.wait(10)
+        dsn = seen["dsn"]
+        assert (dsn["keepalives"], dsn["keepalives_idle"], dsn["application_name"]) == (
             "1",
             "30",
-            "3",
+            "hf-listen",
         )
-        with connection.cursor() as cursor:
+        with connection.cursor() as cursor:  # this thread: still the default connection
+            cursor.execute("SELECT current_setting('application_name')")
+            assert cursor.fetchone()[0] != "hf-listen"
             cursor.execute(
                 "SELECT query FROM pg_stat_activity WHERE application_name = 'hf-listen'"
             )
-            assert [row[0] for row in cursor.fetchall()] == [f"LISTEN {listener._channel}"]
+            (query,) = [row[0] for row in cursor.fetchall()]
+        assert query.startswith('LISTEN "holdfast_lane_default"')
     finally:
-        listener.close()
+        release.set()
+        thread.join(10)

@@ -130,8 +130,11 @@ def test_through_pgbouncer_with_a_direct_listen_connection(
     def describe() -> str:
         return f"{job_summary()}\n{workers.describe()}\n{bouncer.describe()}"
 
-    # Both workers LISTEN (new jobs, cancels) on their direct connections...
-    wait_until(lambda: listening_sessions() >= 4, 20, interval=0.1, message=describe)
+    # Both workers LISTEN (new jobs, freed locks, cancels) on their direct side connection,
+    # where their lease keepers also renew leases and reclaim...
+    wait_until(
+        lambda: all(proc.events("listening") for proc in procs), 20, interval=0.1, message=describe
+    )
     # ... so a job enqueued through the pooler wakes an idle one at once (NOTIFY).
     enqueued = workers.command(
         "enqueue", "test.echo", "--args", '{"via": "cli"}', "--json", env=env
