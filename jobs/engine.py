@@ -8,6 +8,7 @@ one structlog event.
 
 from __future__ import annotations
 
+import functools
 import gc
 import hashlib
 import json
@@ -135,19 +136,21 @@ def enqueue_many(
                 return []
             raise LaneFull(message)
     locks = [_locks(spec, args) for args in args_list] if spec.locks else None
-    template = Job(
-        kind=kind,
-        lane=chosen.name,
-        priority=priority,
-        max_attempts=attempts_budget,
-        lease_seconds=lease,
-    )
+    options = {
+        "kind": kind,
+        "lane": chosen.name,
+        "priority": priority,
+        "max_attempts": attempts_budget,
+        "lease_seconds": lease,
+    }
     if keys is None and spec.unique:
         keys = [_args_key(kind, _args_json(args)) for args in args_list]
     if keys is None:  # no unique keys: plain inserts, one statement per chunk on PostgreSQL
-        created = jobs = _insert_new(template, args_list, args_text, locks, delay, run_at)
+        common = {**_field_defaults(), **options}
+        created = jobs = _insert_new(common, args_list, args_text, locks, delay, run_at)
         _log_enqueued(kind, chosen.name, created)
         return jobs
+    template = Job(**options)
     with transaction.atomic():
         if len(args_list) == 1:  # enqueue(): one savepoint, one insert
             job, new = _create_unique(
@@ -196,8 +199,15 @@ def _copy(template: Job, **fields: Any) -> Job:
     return job
 
 
+@functools.cache
+def _field_defaults() -> dict[str, Any]:
+    """Every column's value in a new ``Job()`` (the ones each job sets are replaced)."""
+    job = Job()
+    return {f.attname: getattr(job, f.attname) for f in Job._meta.concrete_fields}
+
+
 def _insert_new(
-    template: Job,
+    common: dict[str, Any],
     args_list: list[dict[str, Any]],
     args_text: str,
     locks: list[list[str]] | None,
@@ -209,7 +219,6 @@ def _insert_new(
     PostgreSQL: one statement per 10,000 jobs (the first also sends the NOTIFY), so a single
     job outside a transaction is one round trip and one commit. SQLite: one executemany.
     """
-    common = {f.attname: getattr(template, f.attname) for f in Job._meta.concrete_fields}
     delay_seconds = delay.total_seconds() if isinstance(delay, timedelta) else delay
     jobs: list[Job] = []
     if sql.is_postgres():
@@ -226,7 +235,7 @@ def _insert_new(
         single = len(texts) == 1 and not connection.in_atomic_block
         with nullcontext() if single else transaction.atomic():
             inserted = sql.insert_jobs(
-                common, texts, chunk_locks, delay_seconds, run_at, _wake_up(template.lane)
+                common, texts, chunk_locks, delay_seconds, run_at, _wake_up(common["lane"])
             )
             for start, (ids, job_run_at, created_at) in zip(starts, inserted, strict=True):
                 end = start + size
