@@ -12,6 +12,7 @@ setting (``config/settings.py``) sends every record to one stderr handler format
 
 from __future__ import annotations
 
+import json
 import logging
 import sys
 from typing import Any
@@ -26,8 +27,28 @@ _configured = False
 def _renderer() -> Any:
     fmt = settings.LOG_FORMAT or ("console" if sys.stderr.isatty() else "json")
     if fmt == "json":
-        return structlog.processors.JSONRenderer()
+        return JSONLines()
     return structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())
+
+
+def _fallback(value: Any) -> Any:
+    """What structlog's ``JSONRenderer`` writes for a value JSON has no type for."""
+    try:
+        return value.__structlog__()
+    except AttributeError:
+        return repr(value)
+
+
+class JSONLines:
+    """The JSON renderer: the same lines as ``structlog.processors.JSONRenderer()``, from
+    one encoder built once (``json.dumps`` with ``default=`` builds a new encoder for every
+    line)."""
+
+    def __init__(self) -> None:
+        self._encode = json.JSONEncoder(default=_fallback).encode
+
+    def __call__(self, logger: Any, method: str, event_dict: EventDict) -> str:
+        return self._encode(event_dict)
 
 
 def _from_record(logger: Any, method: str, event_dict: EventDict) -> EventDict:
@@ -83,8 +104,13 @@ def configure(force: bool = False) -> None:
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(level),
-        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
-        cache_logger_on_first_use=False,
+        # One write and one flush per line (a line is never held back in a buffer).
+        logger_factory=structlog.WriteLoggerFactory(sys.stderr),
+        # Each module's logger is assembled once, not on every call: a line below the
+        # level costs a method call, one at it the processors and one write.
+        # ``structlog.testing.capture_logs`` still captures (it edits the processor list
+        # in place); a later ``configure(force=True)`` reaches loggers not used yet.
+        cache_logger_on_first_use=True,
     )
     _configured = True
 

@@ -66,6 +66,12 @@ def lane_channel(lane: str) -> str:
     return "holdfast_lane." + hashlib.sha256(lane.encode()).hexdigest()[:32]
 
 
+def lane_channels(lane: str) -> list[str]:
+    """Where a new runnable job of ``lane`` is announced: the lane's own channel (workers
+    of some lanes) and the general one (workers of every lane)."""
+    return [lane_channel(lane), NOTIFY_CHANNEL]
+
+
 def worker_channels(lanes: Sequence[str] | None) -> list[str]:
     """What a worker serving ``lanes`` (None: every lane) LISTENs on."""
     wake = [NOTIFY_CHANNEL] if lanes is None else sorted({lane_channel(lane) for lane in lanes})
@@ -86,7 +92,7 @@ def notify_lanes(lanes: Iterable[str], freed: bool = False) -> None:
     if connection.vendor == "postgresql":
         pairs: list[str] = []
         for lane in lanes:
-            channels = [FREED_CHANNEL] if freed else [lane_channel(lane), NOTIFY_CHANNEL]
+            channels = [FREED_CHANNEL] if freed else lane_channels(lane)
             pairs.extend(part for channel in channels for part in (channel, lane))
         calls = ", ".join("pg_notify(%s, %s)" for _ in range(len(pairs) // 2))
         with connection.cursor() as cursor:

@@ -210,22 +210,51 @@ PG_LOCK_LANE = "SELECT pg_advisory_xact_lock(hashtext('holdfast.lane:' || %s::te
 BULK_INSERT_CHUNK = 10_000
 MAX_LOCK_RACES = 50  # each lost race means another claimer's lock committed: progress
 
-# Bulk enqueue: the options are the same for every job, only the args differ, so one
-# JSON array parameter carries them; ORDINALITY keeps RETURNING in the caller's order.
+# Enqueue: the options are the same for every job, only the args differ, so one JSON array
+# parameter carries them (parsed once). The ids come back as one sorted array: identity
+# values are drawn in ORDINALITY order, so ascending ids are the caller's order. Every row
+# has the same run_at and created_at (one statement timestamp): returned once, not per row.
+# The wake-up (``pg_notify`` on each of ``channels``) is part of the statement, so one job
+# is one round trip and, outside a transaction, one commit; NOTIFY is still delivered only
+# if the insert commits.
 PG_INSERT_JOBS = """
+WITH new AS (
+    INSERT INTO jobs_job (kind, lane, args, locks, priority, state, run_at, attempts,
+                          max_attempts, lease_seconds, lease_token, cancel_requested,
+                          last_error, created_at, updated_at)
+    SELECT %(kind)s::text, %(lane)s::text, a.args,
+           COALESCE(%(locks)s::jsonb -> (a.n::int - 1), '[]'::jsonb),
+           %(priority)s::smallint, 'queued',
+           COALESCE(%(run_at)s::timestamptz,
+                    statement_timestamp() + %(delay)s::float8 * interval '1 second'),
+           0, %(max_attempts)s::integer, %(lease_seconds)s::float8, 0, false, '',
+           statement_timestamp(), statement_timestamp()
+    FROM jsonb_array_elements(%(args)s::jsonb) WITH ORDINALITY AS a(args, n)
+    ORDER BY a.n
+    RETURNING id
+)
+SELECT (SELECT array_agg(id ORDER BY id) FROM new),
+       COALESCE(%(run_at)s::timestamptz,
+                statement_timestamp() + %(delay)s::float8 * interval '1 second'),
+       statement_timestamp(),
+       (SELECT count(pg_notify(channel, %(payload)s::text))
+        FROM unnest(%(channels)s::text[]) AS channel)
+"""
+
+# SQLite: one executemany in the caller's (IMMEDIATE) transaction; the timestamps are read
+# once from the database clock before it, the ids after it (the write lock is held, and
+# AUTOINCREMENT ids only grow: the new rows are those above the highest id before).
+SQLITE_INSERT_JOB = """
 INSERT INTO jobs_job (kind, lane, args, locks, priority, state, run_at, attempts, max_attempts,
                       lease_seconds, lease_token, cancel_requested, last_error,
                       created_at, updated_at)
-SELECT %(kind)s, %(lane)s, a.args, COALESCE(%(locks)s::jsonb -> (a.n::int - 1), '[]'::jsonb),
-       %(priority)s, 'queued',
-       COALESCE(%(run_at)s::timestamptz,
-                statement_timestamp() + %(delay)s * interval '1 second'),
-       0, %(max_attempts)s, %(lease_seconds)s, 0, false, '',
-       statement_timestamp(), statement_timestamp()
-FROM jsonb_array_elements(%(args)s::jsonb) WITH ORDINALITY AS a(args, n)
-ORDER BY a.n
-RETURNING id, run_at, created_at
+VALUES (%s, %s, %s, %s, %s, 'queued', %s, 0, %s, %s, 0, 0, '', %s, %s)
 """
+SQLITE_INSERT_CLOCK = (
+    "SELECT strftime('%%Y-%%m-%%d %%H:%%M:%%f', 'now'),"
+    " strftime('%%Y-%%m-%%d %%H:%%M:%%f', 'now', %s),"
+    " (SELECT COALESCE(MAX(id), 0) FROM jobs_job)"
+)
 
 # SQLite: the same statements split in two, inside one BEGIN IMMEDIATE transaction.
 SQLITE_NOW = "strftime('%%Y-%%m-%%d %%H:%%M:%%f', 'now')"
@@ -858,6 +887,16 @@ def _pg_prepared(query: str, params: dict[str, Any]) -> Any:
     ``HOLDFAST_PREPARED_STATEMENTS`` is off. That is why every placeholder in these
     statements carries an explicit type.
     """
+    raw, prepare = _raw_connection()
+    text, names = _native(query)
+    with connection.wrap_database_errors, psycopg.RawCursor(raw) as cursor:
+        cursor.execute(text, [params[name] for name in names], prepare=prepare)
+        return cursor.fetchone()
+
+
+def _raw_connection() -> tuple[Any, bool]:
+    """Django's psycopg connection, set to prepare only ``prepare=True`` statements (or
+    none), and whether to prepare."""
     connection.ensure_connection()
     raw = connection.connection
     prepare = prepared_statements()
@@ -865,10 +904,7 @@ def _pg_prepared(query: str, params: dict[str, Any]) -> Any:
         raw.prepare_threshold = 2**31 - 1  # only prepare=True statements get prepared
     elif not prepare and raw.prepare_threshold is not None:
         raw.prepare_threshold = None  # psycopg prepares nothing on this connection
-    text, names = _native(query)
-    with connection.wrap_database_errors, psycopg.RawCursor(raw) as cursor:
-        cursor.execute(text, [params[name] for name in names], prepare=prepare)
-        return cursor.fetchone()
+    return raw, prepare
 
 
 @functools.lru_cache(maxsize=256)  # one entry per statement and lane filter
@@ -976,26 +1012,89 @@ def _sqlite_take(cursor: Any, row: Sequence[Any], worker: str) -> Claimed:
 
 def insert_jobs(
     common: dict[str, Any],
-    args_json: list[str],
+    args_texts: Sequence[str],
+    locks: Sequence[list[list[str]] | None],
+    delay: float | None,
+    run_at: datetime | None,
+    notify: Sequence[str] = (),
+) -> Iterator[tuple[list[int], datetime, datetime]]:
+    """PostgreSQL: insert queued jobs sharing ``common`` options, one statement per JSON
+    array of ``args_texts`` (with its ``locks``, one list per job, or None); the first
+    also NOTIFYs each channel in ``notify`` with the lane as payload. Yields, per
+    statement, the new ids in args order, their run_at and created_at.
+
+    Prepared like the hot path (``_pg_prepared``): planning this statement anew cost more
+    than running it for one job; the args go to the server as one bound parameter. Several
+    statements are pipelined (call this inside a transaction): the server inserts the next
+    batch while the caller builds the jobs of this one.
+    """
+    params = [
+        {
+            "kind": common["kind"],
+            "lane": common["lane"],
+            "priority": common["priority"],
+            "max_attempts": common["max_attempts"],
+            "lease_seconds": common["lease_seconds"],
+            "run_at": run_at,
+            "delay": delay or 0.0,
+            "args": text,
+            "locks": json.dumps(chunk_locks) if chunk_locks else None,
+            "channels": list(notify) if n == 0 else [],
+            "payload": common["lane"],
+        }
+        for n, (text, chunk_locks) in enumerate(zip(args_texts, locks, strict=True))
+    ]
+    if len(params) == 1:
+        rows: Iterator[Any] = iter([_replanning(lambda: _pg_prepared(PG_INSERT_JOBS, params[0]))])
+    else:
+        rows = _pg_pipelined(PG_INSERT_JOBS, params)
+    for ids, job_run_at, created_at, _ in rows:
+        yield ids, _as_datetime(job_run_at), _as_datetime(created_at)
+
+
+def _pg_pipelined(query: str, params_list: list[dict[str, Any]]) -> Iterator[Any]:
+    """``_pg_prepared`` for several executions of one statement, sent in one pipeline;
+    yields each one's row as it arrives."""
+    raw, prepare = _raw_connection()
+    text, names = _native(query)
+    with connection.wrap_database_errors, raw.pipeline():
+        cursors = []
+        for params in params_list:
+            cursor = psycopg.RawCursor(raw)
+            cursor.execute(text, [params[name] for name in names], prepare=prepare)
+            cursors.append(cursor)
+        for cursor in cursors:
+            with cursor:
+                yield cursor.fetchone()
+
+
+def sqlite_insert_jobs(
+    common: dict[str, Any],
+    args_json: Sequence[str],
     locks: list[list[str]] | None,
     delay: float | None,
     run_at: datetime | None,
-) -> list[tuple[int, datetime, datetime]]:
-    """PostgreSQL: insert queued jobs sharing ``common`` options; rows in args order."""
-    params = {
-        "kind": common["kind"],
-        "lane": common["lane"],
-        "priority": common["priority"],
-        "max_attempts": common["max_attempts"],
-        "lease_seconds": common["lease_seconds"],
-        "run_at": run_at,
-        "delay": delay or 0.0,
-        "args": f"[{','.join(args_json)}]",  # one JSON document, parsed once
-        "locks": json.dumps(locks) if locks else None,
-    }
+) -> tuple[list[int], datetime, datetime]:
+    """SQLite: ``insert_jobs`` as one executemany; call it inside a transaction."""
     with connection.cursor() as cursor:
-        cursor.execute(PG_INSERT_JOBS, params)
-        return cursor.fetchall()
+        cursor.execute(SQLITE_INSERT_CLOCK, [f"{delay or 0.0:+.3f} seconds"])
+        now, delayed, highest = cursor.fetchone()
+        when = delayed if run_at is None else str(connection.ops.adapt_datetimefield_value(run_at))
+        row = (common["kind"], common["lane"])
+        rest = (common["priority"], when, common["max_attempts"], common["lease_seconds"], now, now)
+        if locks:
+            rows = [
+                (*row, text, json.dumps(names), *rest)
+                for text, names in zip(args_json, locks, strict=True)
+            ]
+        else:
+            rows = [(*row, text, "[]", *rest) for text in args_json]
+        cursor.executemany(SQLITE_INSERT_JOB, rows)
+        cursor.execute("SELECT id FROM jobs_job WHERE id > %s ORDER BY id", [highest])
+        ids = [found for (found,) in cursor.fetchall()]
+    if len(ids) != len(args_json):  # another writer inside our write lock: impossible
+        raise DatabaseError(f"inserted {len(args_json)} jobs but found {len(ids)} new ids")
+    return ids, run_at or _as_datetime(delayed), _as_datetime(now)
 
 
 def _lane_filter(

@@ -143,7 +143,9 @@ def test_through_pgbouncer_with_a_direct_listen_connection(
     wait_for_job(enqueued.json()["id"], "succeeded", workers, timeout=10)
 
     workers.python(
+        "from jobs import sql\n"
         "from jobs.engine import enqueue_many\n"
+        "sql.BULK_INSERT_CHUNK = 7  # six statements, pipelined through the pooler\n"
         "enqueue_many('test.sleep', [{'seconds': 0.02}] * 40)\n",
         env=env,
     )
