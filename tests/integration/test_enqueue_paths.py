@@ -100,9 +100,10 @@ def test_unique_keys_conflicting_inside_one_batch(small_batches):
 @pytest.mark.postgres
 @pytest.mark.django_db(transaction=True)
 def test_the_wake_up_is_sent_with_the_insert_and_only_on_commit(small_batches):
-    channel, payload = _wake_up("default")
+    channels, payload = _wake_up("default", None, None), "default"
+    assert _wake_up("default", 60, None) == []  # a delayed job wakes no one now
     with psycopg.connect(database_url(connection.settings_dict), autocommit=True) as listener:
-        listener.execute(f"LISTEN {channel}")
+        listener.execute(f"LISTEN {channels[0]}")  # the lane's own channel
 
         def heard() -> list[str]:
             return [note.payload for note in listener.notifies(timeout=0.5, stop_after=10)]
