@@ -91,22 +91,117 @@ def _columns(table: str) -> str:
     return ", ".join(f"{table}.{column.strip()}" for column in CLAIMED_COLUMNS.split(","))
 
 
-# The claim, as CTEs: pick the best runnable row whose resource locks are all free
-# (skipping rows other workers are locking), make it ours under the next lease token, write
-# the attempt's lease row, take its locks in canonical (sorted) order, and log the event.
-# Two claimers racing for one free resource both insert its lock row: the primary key makes
-# the second one's whole statement fail (nothing of it commits), and it claims again (I8).
-PG_CLAIM_CTES = f"""
-candidate AS (
-    SELECT id FROM jobs_job
-    WHERE state = 'queued' AND run_at <= statement_timestamp() {{lane_filter}}
+# The claim, as CTEs. The walk never reads a row it cannot take, whatever waits:
+#
+# * priorities: a loose index scan (``prios``) over the distinct priorities of queued
+#   jobs, best first, one index probe each. Within one priority the runnable index is in
+#   ``run_at`` order, so the due rows of that priority are one index range that ends at
+#   the database clock: delayed jobs are never walked, whatever their priority.
+# * lanes: a worker with limited lanes (or a lane list) claims lane by lane through the
+#   lane index, and a lane at its ``max_running`` (``full_lanes``) is never entered, so
+#   its backlog is never walked. Within one priority, the lanes are ranked by their
+#   first due row and the best is taken: claim order (priority DESC, run_at, id) holds
+#   across lanes.
+# * lane limits: a running job of a limited lane holds one of the lane's ``max_running``
+#   slots, a lock row (``holdfast:lane:<lane>:<n>``) in ``jobs_joblock`` written with the
+#   job's resource locks and released with them (settle, reclaim). Two claimers racing
+#   for the last slot both insert it: the primary key fails the second one's whole
+#   statement (nothing of it commits) and it claims again, as for resource locks (I8).
+#   No lane lock: a claim of an unlimited lane never waits on a limited one.
+#
+# Then: make the chosen row ours under the next lease token (``FOR UPDATE SKIP LOCKED``:
+# concurrent claimers never wait on each other or take the same row), write the
+# attempt's lease row, take its locks (and lane slot) in canonical order, log the event.
+# Two claimers racing for one free resource both insert its lock row: the primary key
+# makes the second one's whole statement fail, and it claims again (I8).
+LANE_SLOT = "'holdfast:lane:' || {lane} || ':' || {n}"
+LANE_SLOT_PREFIX = "holdfast:"  # reserved: a job's own lock names may not start with it
+
+# A row the claim may take: due, of a served kind, its resource locks all free.
+_RUNNABLE = """state = 'queued' AND run_at <= statement_timestamp() {kind_filter}
       AND (locks = '[]'::jsonb OR NOT EXISTS (
             SELECT 1 FROM jobs_joblock AS held
-            WHERE held.resource IN (SELECT jsonb_array_elements_text(jobs_job.locks))))
-    ORDER BY priority DESC, run_at, id
+            WHERE held.resource IN (SELECT jsonb_array_elements_text(jobs_job.locks))))"""
+
+PG_PRIORITIES = """prios(p) AS (
+    (SELECT priority FROM jobs_job WHERE state = 'queued' ORDER BY priority DESC LIMIT 1)
+    UNION ALL
+    SELECT (SELECT j.priority FROM jobs_job AS j
+            WHERE j.state = 'queued' AND j.priority < prios.p
+            ORDER BY j.priority DESC LIMIT 1)
+    FROM prios WHERE prios.p IS NOT NULL
+)"""
+
+# The limited lanes whose every slot is held (%(limited)s and %(limits)s: parallel arrays).
+PG_FULL_LANES = f"""full_lanes AS (
+    SELECT l.lane FROM unnest(%(limited)s::text[], %(limits)s::int[]) AS l(lane, k)
+    WHERE (SELECT count(*) FROM generate_series(0, l.k - 1) AS n
+           WHERE EXISTS (SELECT 1 FROM jobs_joblock
+                         WHERE resource = {LANE_SLOT.format(lane="l.lane", n="n")})) >= l.k
+)"""
+
+# The lanes the claim walks: the worker's list, or every lane with a queued job (a loose
+# index scan of the lane index), less the full ones.
+PG_SERVED_LIST = """served AS (
+    SELECT lane FROM unnest(%(lanes)s::text[]) AS s(lane)
+    WHERE lane NOT IN (SELECT lane FROM full_lanes)
+)"""
+PG_SERVED_ANY = """queued_lanes(lane) AS (
+    (SELECT lane FROM jobs_job WHERE state = 'queued' ORDER BY lane LIMIT 1)
+    UNION ALL
+    SELECT (SELECT j.lane FROM jobs_job AS j
+            WHERE j.state = 'queued' AND j.lane > queued_lanes.lane ORDER BY j.lane LIMIT 1)
+    FROM queued_lanes WHERE queued_lanes.lane IS NOT NULL
+), served AS (
+    SELECT lane FROM queued_lanes
+    WHERE lane IS NOT NULL AND lane NOT IN (SELECT lane FROM full_lanes)
+)"""
+
+# Any lane, no limits: per priority, the first runnable row by the any-lane index.
+PG_CANDIDATE_ANY = f"""candidate AS (
+    SELECT pick.id, pick.lane FROM prios CROSS JOIN LATERAL (
+        SELECT id, lane FROM jobs_job
+        WHERE priority = prios.p AND {_RUNNABLE}
+        ORDER BY run_at, id
+        LIMIT 1
+        FOR UPDATE SKIP LOCKED) AS pick
+    WHERE prios.p IS NOT NULL
     LIMIT 1
-    FOR UPDATE SKIP LOCKED
-), claimed AS (
+)"""
+
+# Lane by lane: per priority, the served lanes ranked by their first runnable row (read,
+# not locked), then the best lane's first row that no other claimer is locking.
+PG_CANDIDATE_BY_LANE = f"""candidate AS (
+    SELECT pick.id, pick.lane FROM prios CROSS JOIN LATERAL (
+        SELECT served.lane, head.run_at, head.id FROM served CROSS JOIN LATERAL (
+            SELECT run_at, id FROM jobs_job
+            WHERE lane = served.lane AND priority = prios.p AND {_RUNNABLE}
+            ORDER BY run_at, id
+            LIMIT 1) AS head
+        ORDER BY head.run_at, head.id) AS ranked
+    CROSS JOIN LATERAL (
+        SELECT id, lane FROM jobs_job
+        WHERE lane = ranked.lane AND priority = prios.p AND {_RUNNABLE}
+        ORDER BY run_at, id
+        LIMIT 1
+        FOR UPDATE SKIP LOCKED) AS pick
+    WHERE prios.p IS NOT NULL
+    LIMIT 1
+)"""
+
+# The candidate's lane slot, when its lane is limited: the lowest one free.
+PG_SLOT = f"""slot AS (
+    SELECT {LANE_SLOT.format(lane="l.lane", n="n")} AS resource
+    FROM candidate
+    JOIN unnest(%(limited)s::text[], %(limits)s::int[]) AS l(lane, k) ON l.lane = candidate.lane
+    CROSS JOIN LATERAL generate_series(0, l.k - 1) AS n
+    WHERE NOT EXISTS (SELECT 1 FROM jobs_joblock
+                      WHERE resource = {LANE_SLOT.format(lane="l.lane", n="n")})
+    ORDER BY n
+    LIMIT 1
+)"""
+
+PG_TAKE = f"""claimed AS (
     UPDATE jobs_job AS job SET
         state = 'running',
         attempts = job.attempts + 1,
@@ -117,7 +212,7 @@ candidate AS (
         started_at = statement_timestamp(),
         updated_at = statement_timestamp()
     FROM candidate
-    WHERE job.id = candidate.id AND job.state = 'queued'
+    WHERE job.id = candidate.id AND job.state = 'queued' {{slot_guard}}
     RETURNING {_columns("job")}
 ), lease AS (
     INSERT INTO jobs_lease (job_id, attempt, lease_token, worker_id, acquired_at, expires_at,
@@ -129,14 +224,44 @@ candidate AS (
 ), taken_locks AS (
     INSERT INTO jobs_joblock (resource, job_id, lease_token, acquired_at)
     SELECT lock.resource, claimed.id, claimed.lease_token, statement_timestamp()
-    FROM claimed, jsonb_array_elements_text(claimed.locks) WITH ORDINALITY AS lock(resource, n)
-    ORDER BY lock.n
+    FROM claimed CROSS JOIN LATERAL ({{lock_names}}) AS lock(resource)
+    ORDER BY lock.resource COLLATE "C"
 ), claim_event AS (
     INSERT INTO jobs_jobevent (job_id, at, event, lease_token, worker_id, data)
     SELECT id, statement_timestamp(), 'claimed', lease_token, %(worker)s::text,
            jsonb_build_object('attempt', attempts, 'expires_at', lease_expires_at)
     FROM claimed
 )"""
+
+_JOB_LOCKS = "SELECT jsonb_array_elements_text(claimed.locks)"
+PG_NO_FULL_LANES = "full_lanes AS (SELECT ''::text AS lane WHERE false)"
+# A job of a limited lane is claimed only with a slot.
+PG_SLOT_GUARD = "AND (candidate.lane <> ALL(%(limited)s::text[]) OR EXISTS (SELECT 1 FROM slot))"
+
+
+@functools.lru_cache(maxsize=64)
+def pg_claim_ctes(lane_list: bool, limited: bool, kinds: bool) -> str:
+    """The claim's CTEs for one shape of worker: from a lane list or every lane, with
+    lane limits or none, of some kinds or any. With a lane list or limits the claim goes
+    lane by lane; else it walks the any-lane index."""
+    kind_filter = "AND kind = ANY(%(kinds)s::text[])" if kinds else ""
+    parts = [PG_PRIORITIES]
+    if limited or lane_list:
+        parts.append(PG_FULL_LANES if limited else PG_NO_FULL_LANES)
+        parts.append(PG_SERVED_LIST if lane_list else PG_SERVED_ANY)
+        parts.append(PG_CANDIDATE_BY_LANE)
+    else:
+        parts.append(PG_CANDIDATE_ANY)
+    if limited:
+        parts.append(PG_SLOT)
+        take = PG_TAKE.format(
+            slot_guard=PG_SLOT_GUARD,
+            lock_names=f"{_JOB_LOCKS} UNION ALL SELECT resource FROM slot",
+        )
+    else:
+        take = PG_TAKE.format(slot_guard="", lock_names=_JOB_LOCKS)
+    parts.append(take)
+    return ",\n".join(parts).replace("{kind_filter}", kind_filter)
 
 
 def _bucket(seconds: str) -> str:
@@ -197,28 +322,31 @@ settled AS (
     ON CONFLICT (lane, state, shard) DO UPDATE SET count = jobs_jobcount.count + 1
 )"""
 
-PG_CLAIM = f"""
-WITH {PG_CLAIM_CTES}
-SELECT {_columns("claimed")}, lease.id FROM claimed CROSS JOIN lease
-"""
-
 PG_SETTLE = f"""
 WITH {PG_SETTLE_CTES}
 SELECT (SELECT count(*) FROM settled)
 """
 
+PG_CLAIM_SELECT = f"""
+SELECT {_columns("claimed")}, lease.id FROM claimed CROSS JOIN lease
+"""
+
 # Settle one job and claim the next in one statement: one round trip and one commit per
 # job. The claim reads the snapshot from before the settle, so it never takes back the job
-# it just settled (that row is still 'running' there).
-PG_SETTLE_AND_CLAIM = f"""
-WITH {PG_SETTLE_CTES}, {PG_CLAIM_CTES}
+# it just settled (that row is still 'running' there), nor its lane slot.
+PG_SETTLE_AND_CLAIM_SELECT = f"""
 SELECT (SELECT count(*) FROM settled), {_columns("claimed")}, lease.id
 FROM (SELECT 1) AS one LEFT JOIN claimed ON true LEFT JOIN lease ON true
 """
 
-# Serialize claims from lanes with a max_running, lane by lane in sorted order (so two
-# claimers never wait on each other crosswise); released when the transaction ends.
-PG_LOCK_LANE = "SELECT pg_advisory_xact_lock(hashtext('holdfast.lane:' || %s::text))"
+
+def pg_claim(lane_list: bool, limited: bool, kinds: bool, settle: bool = False) -> str:
+    """The claim statement (with ``settle``: the fused settle-and-claim) of one shape."""
+    ctes = pg_claim_ctes(lane_list, limited, kinds)
+    if settle:
+        return f"WITH RECURSIVE {PG_SETTLE_CTES},\n{ctes}{PG_SETTLE_AND_CLAIM_SELECT}"
+    return f"WITH RECURSIVE {ctes}{PG_CLAIM_SELECT}"
+
 
 BULK_INSERT_CHUNK = 10_000
 MAX_LOCK_RACES = 50  # each lost race means another claimer's lock committed: progress
@@ -469,16 +597,17 @@ def _settle_and_claim_limited(
     limits: Mapping[str, int] | None,
     kinds: Sequence[str] | None,
 ) -> tuple[bool, Claimed | None]:
-    if not (worker_id is not None and limits):
-        return _settle_and_claim(params, settle, worker_id, lanes, excluded=(), kinds=kinds)
-    with transaction.atomic():
-        if is_postgres():
-            with connection.cursor() as cursor:
-                for lane in sorted(limits):
-                    cursor.execute(PG_LOCK_LANE, [lane])
-        return _settle_and_claim(
-            params, settle, worker_id, lanes, excluded=_full(limits), kinds=kinds
-        )
+    claim = worker_id is not None
+    if claim:
+        params["worker"] = worker_id
+    if is_postgres():  # lane limits are slots taken by the statement itself: no lane lock
+        return _pg_settle_and_claim(params, settle, claim, lanes, limits or {}, kinds)
+    if not (claim and limits):
+        lane_filter = _lane_filter(lanes, (), params) + _kind_filter(kinds, params)
+        return _sqlite_settle_and_claim(params, lane_filter, settle=settle, claim=claim)
+    with transaction.atomic():  # BEGIN IMMEDIATE: the running count stays true to commit
+        lane_filter = _lane_filter(lanes, _full(limits), params) + _kind_filter(kinds, params)
+        return _sqlite_settle_and_claim(params, lane_filter, settle=settle, claim=claim)
 
 
 # The engine's own statements outside the handler's transaction (heartbeat, reclaim) bound
@@ -842,31 +971,27 @@ def _full(limits: Mapping[str, int]) -> list[str]:
     return sorted(lane for lane, n in running if n >= limits[lane])
 
 
-def _settle_and_claim(
+def _pg_settle_and_claim(
     params: dict[str, Any],
     settle: bool,
-    worker_id: str | None,
+    claim: bool,
     lanes: Sequence[str] | None,
-    excluded: Sequence[str],
-    kinds: Sequence[str] | None = None,
+    limits: Mapping[str, int],
+    kinds: Sequence[str] | None,
 ) -> tuple[bool, Claimed | None]:
-    lane_filter = ""
-    if worker_id is not None:
-        params["worker"] = worker_id
-        lane_filter = _lane_filter(lanes, excluded, params) + _kind_filter(kinds, params)
-    run = _pg_settle_and_claim if is_postgres() else _sqlite_settle_and_claim
-    return run(params, lane_filter, settle=settle, claim=worker_id is not None)
-
-
-def _pg_settle_and_claim(
-    params: dict[str, Any], lane_filter: str, *, settle: bool, claim: bool
-) -> tuple[bool, Claimed | None]:
-    if settle and claim:
-        row = _pg_prepared(PG_SETTLE_AND_CLAIM.format(lane_filter=lane_filter), params)
-        return row[0] == 1, (_claimed(row[1:]) if row[1] is not None else None)
-    if settle:
+    if not claim:
         return _pg_prepared(PG_SETTLE, params)[0] == 1, None
-    row = _pg_prepared(PG_CLAIM.format(lane_filter=lane_filter), params)
+    if lanes is not None:
+        params["lanes"] = list(lanes)
+    if limits:
+        params["limited"] = sorted(limits)
+        params["limits"] = [int(limits[lane]) for lane in params["limited"]]
+    if kinds is not None:
+        params["kinds"] = list(kinds)
+    query = pg_claim(lanes is not None, bool(limits), kinds is not None, settle=settle)
+    row = _pg_prepared(query, params)
+    if settle:
+        return row[0] == 1, (_claimed(row[1:]) if row[1] is not None else None)
     return False, (_claimed(row) if row else None)
 
 
@@ -1032,16 +1157,8 @@ def insert_jobs(
 def _lane_filter(
     lanes: Sequence[str] | None, excluded: Sequence[str], params: dict[str, Any]
 ) -> str:
-    """The claim's lane condition: only ``lanes`` (None: any), never ``excluded``."""
+    """SQLite: the claim's lane condition: only ``lanes`` (None: any), never ``excluded``."""
     clauses = []
-    if is_postgres():
-        if lanes is not None:
-            params["lanes"] = list(lanes)
-            clauses.append("AND lane = ANY(%(lanes)s::text[])")
-        if excluded:
-            params["excluded"] = list(excluded)
-            clauses.append("AND lane <> ALL(%(excluded)s::text[])")
-        return " ".join(clauses)
     for operator, prefix, names in (("IN", "lane", lanes), ("NOT IN", "excluded", excluded)):
         if names is None or (operator == "NOT IN" and not names):
             continue
@@ -1052,16 +1169,12 @@ def _lane_filter(
 
 
 def _kind_filter(kinds: Sequence[str] | None, params: dict[str, Any]) -> str:
-    """The claim's kind condition: only kinds this worker can run (None: any kind).
+    """SQLite: the claim's kind condition: only kinds this worker can run (None: any kind).
 
-    One array (PostgreSQL) or JSON (SQLite) parameter whatever the number of kinds, so the
-    prepared claim keeps one text.
+    One JSON parameter whatever the number of kinds, so the claim keeps one text.
     """
     if kinds is None:
         return ""
-    if is_postgres():
-        params["kinds"] = list(kinds)
-        return " AND kind = ANY(%(kinds)s::text[])"
     params["kinds"] = json.dumps(list(kinds))
     return " AND kind IN (SELECT value FROM json_each(%(kinds)s))"
 
