@@ -322,6 +322,11 @@ def _locks(spec: HandlerSpec, args: dict[str, Any]) -> list[str]:
                 f"a lock of {spec.kind!r} must be a string of 1 to {LOCK_NAME_LENGTH} "
                 f"characters, not {name!r}"
             )
+        if name.startswith(sql.LANE_SLOT_PREFIX):
+            raise InvalidJob(
+                f"a lock of {spec.kind!r} may not start with {sql.LANE_SLOT_PREFIX!r} "
+                f"(reserved for lane slots), not {name!r}"
+            )
     return sorted(set(names))
 
 
@@ -737,8 +742,9 @@ def events(job_id: int) -> QuerySet[JobEvent]:
 
 
 def held_locks(job_id: int | None = None) -> QuerySet[JobLock]:
-    """Resource locks held now (by one job, or by all), in canonical order."""
-    held = JobLock.objects.order_by("resource")
+    """Resource locks held now (by one job, or by all), in canonical order; not the lane
+    slots (``jobs.sql.LANE_SLOT``) that running jobs of limited lanes hold in that table."""
+    held = JobLock.objects.exclude(resource__startswith=sql.LANE_SLOT_PREFIX).order_by("resource")
     return held if job_id is None else held.filter(job_id=job_id)
 
 
@@ -765,9 +771,16 @@ def reclaim_expired(limit: int = sql.RECLAIM_BATCH) -> list[int]:
     completed or renewed meanwhile, frees only the reclaimed lease's locks, and leaves
     ``run_at`` alone, so the job keeps its place in the queue. Each attempt it ends is
     recorded as ``lease_expired``: its worker died or stopped responding during it.
+
+    Then (PostgreSQL) the sweep of blocked jobs (``jobs.sql.promote_blocked``): the best
+    blocked job of each resource whose lock is free goes back into the claim's path, for
+    the locks this pass freed and any whose releaser died before promoting.
     """
     reclaimed = sql.reclaim(limit)
     _log_reclaimed(reclaimed)
+    promoted = sql.promote_blocked()
+    if promoted:
+        log.debug("blocked_jobs_promoted", count=len(promoted))
     return [job.id for job in reclaimed]
 
 
@@ -998,7 +1011,10 @@ def _cancel(job_id: int, actor: str) -> Job:
     # Its lease expired (worker died or frozen): end that attempt as a reclaim would, into
     # `cancelled` (its `reclaimed` event says so), fencing out the old worker's writes.
     expired = Job.objects.filter(pk=job_id, state=State.RUNNING, lease_expires_at__lt=Now())
-    for ended in sql.reclaim(1, job_id=job_id, cancel=True, actor=actor) if expired else ():
+    ended_attempts = sql.reclaim(1, job_id=job_id, cancel=True, actor=actor) if expired else []
+    if ended_attempts:
+        sql.promote_blocked()  # its locks are free: their blocked waiters go on
+    for ended in ended_attempts:
         log.info(
             "job_cancelled",
             job_id=job_id,

@@ -91,101 +91,104 @@ def _columns(table: str) -> str:
     return ", ".join(f"{table}.{column.strip()}" for column in CLAIMED_COLUMNS.split(","))
 
 
-# The claim, as CTEs. The walk never reads a row it cannot take, whatever waits:
+# The claim, as CTEs. The walk reads only rows it could take, whatever waits:
 #
-# * priorities: a loose index scan (``prios``) over the distinct priorities of queued
-#   jobs, best first, one index probe each. Within one priority the runnable index is in
-#   ``run_at`` order, so the due rows of that priority are one index range that ends at
-#   the database clock: delayed jobs are never walked, whatever their priority.
-# * lanes: a worker with limited lanes (or a lane list) claims lane by lane through the
-#   lane index, and a lane at its ``max_running`` (``full_lanes``) is never entered, so
-#   its backlog is never walked. Within one priority, the lanes are ranked by their
-#   first due row and the best is taken: claim order (priority DESC, run_at, id) holds
-#   across lanes.
+# * lanes: the served lanes (the worker's list, or every lane with a runnable row: a loose
+#   index scan of ``job_runnable_idx``), less the full ones. A lane at its
+#   ``max_running`` (``full_lanes``) is never entered, so its backlog is never walked.
+# * priorities: per served lane, a loose index scan (``pairs``) over its distinct
+#   priorities, one index probe each. Within one (lane, priority) the index is in
+#   ``run_at`` order, so the due rows are one index range that ends at the database
+#   clock: delayed jobs are never walked, whatever their priority.
+# * blocked jobs: a queued job whose resource lock is held is taken out of the runnable
+#   index (``blocked_by``, see ``PG_MARK_BLOCKED``) after the claim that first walks past
+#   it, and put back (``PG_PROMOTE``) when that lock is released. The statement returns
+#   the (lane, priority) ranges whose first due row was not their first runnable one
+#   (``passed``: one more index probe per range), so that only then the marking runs.
+# * order: each (lane, priority)'s first runnable row (``heads``, read, not locked), best
+#   first by (priority DESC, run_at, id); the first of them no other claimer is locking is
+#   taken (``FOR UPDATE SKIP LOCKED``: concurrent claimers never wait on each other or take
+#   the same row). Claim order holds across lanes and priorities.
 # * lane limits: a running job of a limited lane holds one of the lane's ``max_running``
 #   slots, a lock row (``holdfast:lane:<lane>:<n>``) in ``jobs_joblock`` written with the
-#   job's resource locks and released with them (settle, reclaim). Two claimers racing
-#   for the last slot both insert it: the primary key fails the second one's whole
-#   statement (nothing of it commits) and it claims again, as for resource locks (I8).
-#   No lane lock: a claim of an unlimited lane never waits on a limited one.
+#   job's resource locks and released with them (settle, reclaim). No lane lock: a claim
+#   of an unlimited lane never waits on a limited one.
 #
-# Then: make the chosen row ours under the next lease token (``FOR UPDATE SKIP LOCKED``:
-# concurrent claimers never wait on each other or take the same row), write the
-# attempt's lease row, take its locks (and lane slot) in canonical order, log the event.
-# Two claimers racing for one free resource both insert its lock row: the primary key
-# makes the second one's whole statement fail, and it claims again (I8).
+# Then: make the row ours under the next lease token, write the attempt's lease row, take
+# its locks (and lane slot) in canonical order, log the event. Two claimers racing for one
+# free resource (or a lane's last slot) both insert its lock row: the primary key makes
+# the second one's whole statement fail (nothing of it commits), and it claims again (I8).
 LANE_SLOT = "'holdfast:lane:' || {lane} || ':' || {n}"
 LANE_SLOT_PREFIX = "holdfast:"  # reserved: a job's own lock names may not start with it
+MARK_BATCH = 5000  # blocked rows one marking statement marks at most
 
-# A row the claim may take: due, of a served kind, its resource locks all free.
-_RUNNABLE = """state = 'queued' AND run_at <= statement_timestamp() {kind_filter}
-      AND (locks = '[]'::jsonb OR NOT EXISTS (
+# The runnable index's condition, and a row the claim may take: due, of a served kind,
+# its resource locks all free.
+_QUEUED = "state = 'queued' AND blocked_by IS NULL"
+_FREE = """(locks = '[]'::jsonb OR NOT EXISTS (
             SELECT 1 FROM jobs_joblock AS held
             WHERE held.resource IN (SELECT jsonb_array_elements_text(jobs_job.locks))))"""
+_DUE = f"{_QUEUED} AND run_at <= statement_timestamp() {{kind_filter}}"
 
-PG_PRIORITIES = """prios(p) AS (
-    (SELECT priority FROM jobs_job WHERE state = 'queued' ORDER BY priority DESC LIMIT 1)
-    UNION ALL
-    SELECT (SELECT j.priority FROM jobs_job AS j
-            WHERE j.state = 'queued' AND j.priority < prios.p
-            ORDER BY j.priority DESC LIMIT 1)
-    FROM prios WHERE prios.p IS NOT NULL
-)"""
-
-# The limited lanes whose every slot is held (%(limited)s and %(limits)s: parallel arrays).
-PG_FULL_LANES = f"""full_lanes AS (
+# The limited lanes whose running jobs have reached their ``max_running`` (%(limited)s and
+# %(limits)s: parallel arrays): a read of the running rows of those lanes only. The slots
+# enforce the limit against racing claimers; this count keeps a full lane out of the walk
+# (and counts jobs that run without a slot: claimed before the slots existed).
+PG_FULL_LANES = """full_lanes AS (
     SELECT l.lane FROM unnest(%(limited)s::text[], %(limits)s::int[]) AS l(lane, k)
-    WHERE (SELECT count(*) FROM generate_series(0, l.k - 1) AS n
-           WHERE EXISTS (SELECT 1 FROM jobs_joblock
-                         WHERE resource = {LANE_SLOT.format(lane="l.lane", n="n")})) >= l.k
+    WHERE (SELECT count(*) FROM jobs_job
+           WHERE state = 'running' AND lane = l.lane) >= l.k
 )"""
+PG_NO_FULL_LANES = "full_lanes AS (SELECT ''::text AS lane WHERE false)"
 
-# The lanes the claim walks: the worker's list, or every lane with a queued job (a loose
-# index scan of the lane index), less the full ones.
 PG_SERVED_LIST = """served AS (
     SELECT lane FROM unnest(%(lanes)s::text[]) AS s(lane)
     WHERE lane NOT IN (SELECT lane FROM full_lanes)
 )"""
-PG_SERVED_ANY = """queued_lanes(lane) AS (
-    (SELECT lane FROM jobs_job WHERE state = 'queued' ORDER BY lane LIMIT 1)
+PG_SERVED_ANY = f"""queued_lanes(lane) AS (
+    (SELECT lane FROM jobs_job WHERE {_QUEUED} ORDER BY lane LIMIT 1)
     UNION ALL
-    SELECT (SELECT j.lane FROM jobs_job AS j
-            WHERE j.state = 'queued' AND j.lane > queued_lanes.lane ORDER BY j.lane LIMIT 1)
+    SELECT (SELECT lane FROM jobs_job
+            WHERE {_QUEUED} AND lane > queued_lanes.lane ORDER BY lane LIMIT 1)
     FROM queued_lanes WHERE queued_lanes.lane IS NOT NULL
 ), served AS (
     SELECT lane FROM queued_lanes
     WHERE lane IS NOT NULL AND lane NOT IN (SELECT lane FROM full_lanes)
 )"""
 
-# Any lane, no limits: per priority, the first runnable row by the any-lane index.
-PG_CANDIDATE_ANY = f"""candidate AS (
-    SELECT pick.id, pick.lane FROM prios CROSS JOIN LATERAL (
-        SELECT id, lane FROM jobs_job
-        WHERE priority = prios.p AND {_RUNNABLE}
+PG_WALK = f"""pairs(lane, p) AS (
+    SELECT served.lane, (SELECT priority FROM jobs_job
+                         WHERE {_QUEUED} AND lane = served.lane
+                         ORDER BY priority DESC LIMIT 1)
+    FROM served
+    UNION ALL
+    SELECT pairs.lane, (SELECT priority FROM jobs_job
+                        WHERE {_QUEUED} AND lane = pairs.lane AND priority < pairs.p
+                        ORDER BY priority DESC LIMIT 1)
+    FROM pairs WHERE pairs.p IS NOT NULL
+), heads AS (
+    SELECT pairs.lane, pairs.p, head.run_at, head.id, first_due.id AS first_id
+    FROM pairs LEFT JOIN LATERAL (
+        SELECT run_at, id FROM jobs_job
+        WHERE lane = pairs.lane AND priority = pairs.p AND {_DUE} AND {_FREE}
         ORDER BY run_at, id
-        LIMIT 1
-        FOR UPDATE SKIP LOCKED) AS pick
-    WHERE prios.p IS NOT NULL
-    LIMIT 1
-)"""
-
-# Lane by lane: per priority, the served lanes ranked by their first runnable row (read,
-# not locked), then the best lane's first row that no other claimer is locking.
-PG_CANDIDATE_BY_LANE = f"""candidate AS (
-    SELECT pick.id, pick.lane FROM prios CROSS JOIN LATERAL (
-        SELECT served.lane, head.run_at, head.id FROM served CROSS JOIN LATERAL (
-            SELECT run_at, id FROM jobs_job
-            WHERE lane = served.lane AND priority = prios.p AND {_RUNNABLE}
-            ORDER BY run_at, id
-            LIMIT 1) AS head
-        ORDER BY head.run_at, head.id) AS ranked
+        LIMIT 1) AS head ON true
+    LEFT JOIN LATERAL (
+        SELECT id FROM jobs_job
+        WHERE lane = pairs.lane AND priority = pairs.p AND {_DUE}
+        ORDER BY run_at, id
+        LIMIT 1) AS first_due ON true
+    WHERE pairs.p IS NOT NULL
+), candidate AS (
+    SELECT pick.id, pick.lane
+    FROM (SELECT lane, p, run_at, id FROM heads WHERE id IS NOT NULL
+          ORDER BY p DESC, run_at, id) AS ranked
     CROSS JOIN LATERAL (
         SELECT id, lane FROM jobs_job
-        WHERE lane = ranked.lane AND priority = prios.p AND {_RUNNABLE}
+        WHERE lane = ranked.lane AND priority = ranked.p AND {_DUE} AND {_FREE}
         ORDER BY run_at, id
         LIMIT 1
         FOR UPDATE SKIP LOCKED) AS pick
-    WHERE prios.p IS NOT NULL
     LIMIT 1
 )"""
 
@@ -200,6 +203,8 @@ PG_SLOT = f"""slot AS (
     ORDER BY n
     LIMIT 1
 )"""
+# A job of a limited lane is claimed only with a slot.
+PG_SLOT_GUARD = "AND (candidate.lane <> ALL(%(limited)s::text[]) OR EXISTS (SELECT 1 FROM slot))"
 
 PG_TAKE = f"""claimed AS (
     UPDATE jobs_job AS job SET
@@ -234,24 +239,18 @@ PG_TAKE = f"""claimed AS (
 )"""
 
 _JOB_LOCKS = "SELECT jsonb_array_elements_text(claimed.locks)"
-PG_NO_FULL_LANES = "full_lanes AS (SELECT ''::text AS lane WHERE false)"
-# A job of a limited lane is claimed only with a slot.
-PG_SLOT_GUARD = "AND (candidate.lane <> ALL(%(limited)s::text[]) OR EXISTS (SELECT 1 FROM slot))"
 
 
 @functools.lru_cache(maxsize=64)
 def pg_claim_ctes(lane_list: bool, limited: bool, kinds: bool) -> str:
     """The claim's CTEs for one shape of worker: from a lane list or every lane, with
-    lane limits or none, of some kinds or any. With a lane list or limits the claim goes
-    lane by lane; else it walks the any-lane index."""
+    lane limits or none, of some kinds or any."""
     kind_filter = "AND kind = ANY(%(kinds)s::text[])" if kinds else ""
-    parts = [PG_PRIORITIES]
-    if limited or lane_list:
-        parts.append(PG_FULL_LANES if limited else PG_NO_FULL_LANES)
-        parts.append(PG_SERVED_LIST if lane_list else PG_SERVED_ANY)
-        parts.append(PG_CANDIDATE_BY_LANE)
-    else:
-        parts.append(PG_CANDIDATE_ANY)
+    parts = [
+        PG_FULL_LANES if limited else PG_NO_FULL_LANES,
+        PG_SERVED_LIST if lane_list else PG_SERVED_ANY,
+        PG_WALK,
+    ]
     if limited:
         parts.append(PG_SLOT)
         take = PG_TAKE.format(
@@ -262,6 +261,80 @@ def pg_claim_ctes(lane_list: bool, limited: bool, kinds: bool) -> str:
         take = PG_TAKE.format(slot_guard="", lock_names=_JOB_LOCKS)
     parts.append(take)
     return ",\n".join(parts).replace("{kind_filter}", kind_filter)
+
+
+# A claim's walked-past blocked rows leave the runnable index, each marked with one of its
+# resource locks that is held, in a statement of its own. Never a lost wake-up: a row is
+# marked only with a lock row this statement holds FOR KEY SHARE, so the release that
+# deletes that lock row waits for this mark to commit, and the promotion that follows the
+# release (a later statement, a later snapshot) sees it. A lock row being deleted is
+# skipped (SKIP LOCKED): the row is not marked, and the next claim reads it again. No wait
+# of any kind (SKIP LOCKED on job and lock rows), so no deadlock with claims or settles.
+PG_MARK_BLOCKED = f"""
+WITH passed AS (
+    SELECT r->>0 AS lane, (r->>1)::smallint AS p, (r->>2)::timestamptz AS run_at,
+           (r->>3)::bigint AS id
+    FROM jsonb_array_elements(%(passed)s::jsonb) AS r
+), target AS (
+    SELECT walked.id, walked.locks FROM passed CROSS JOIN LATERAL (
+        SELECT id, locks FROM jobs_job
+        WHERE lane = passed.lane AND priority = passed.p AND {_QUEUED}
+          AND run_at <= statement_timestamp() {{kind_filter}} AND jsonb_array_length(locks) > 0
+          AND (passed.id IS NULL OR (run_at, id) < (passed.run_at, passed.id))
+        ORDER BY run_at, id
+        LIMIT {MARK_BATCH}
+        FOR UPDATE SKIP LOCKED) AS walked
+), held AS (
+    SELECT resource FROM jobs_joblock
+    WHERE resource IN (SELECT jsonb_array_elements_text(locks) FROM target)
+    FOR KEY SHARE SKIP LOCKED
+), marks AS (
+    SELECT target.id, min(held.resource) AS resource
+    FROM target CROSS JOIN LATERAL jsonb_array_elements_text(target.locks) AS lock(resource)
+    JOIN held ON held.resource = lock.resource
+    GROUP BY target.id
+)
+UPDATE jobs_job AS job SET blocked_by = marks.resource
+FROM marks WHERE job.id = marks.id AND job.state = 'queued'
+"""
+
+# Promotion: for each of %(resources)s whose lock row is gone, its best blocked job goes
+# back into the runnable index. One per resource: only one of them can take the lock, and
+# the others stay out of every claim's path (a resource's backlog is walked never, not
+# once per job). Run after each release, in a later statement than the delete (see
+# PG_MARK_BLOCKED); ``sweep_blocked`` runs it over every blocked resource on each reclaim
+# pass: the promotion a crashed releaser never ran, and one more job per pass of a
+# resource whose promoted job is not being claimed (a full lane, a kind no live worker
+# runs, or another of its locks held: that claim marks it again).
+_PROMOTE = """
+UPDATE jobs_job AS job SET blocked_by = NULL
+FROM (
+    SELECT best.id FROM {resources}
+    CROSS JOIN LATERAL (
+        SELECT id FROM jobs_job
+        WHERE state = 'queued' AND blocked_by = r.resource
+        ORDER BY priority DESC, run_at, id
+        LIMIT 1
+        FOR UPDATE SKIP LOCKED) AS best
+    WHERE r.resource IS NOT NULL
+      AND NOT EXISTS (SELECT 1 FROM jobs_joblock WHERE resource = r.resource)
+) AS promoted
+WHERE job.id = promoted.id AND job.state = 'queued'
+RETURNING job.id
+"""
+PG_PROMOTE = _PROMOTE.format(resources="unnest(%(resources)s::text[]) AS r(resource)")
+
+# Every resource some queued job is blocked on: a loose index scan of job_blocked_idx.
+PG_SWEEP = """
+WITH RECURSIVE waits(resource) AS (
+    (SELECT blocked_by FROM jobs_job
+     WHERE state = 'queued' AND blocked_by IS NOT NULL ORDER BY blocked_by LIMIT 1)
+    UNION ALL
+    SELECT (SELECT blocked_by FROM jobs_job
+            WHERE state = 'queued' AND blocked_by IS NOT NULL AND blocked_by > waits.resource
+            ORDER BY blocked_by LIMIT 1)
+    FROM waits WHERE waits.resource IS NOT NULL
+)""" + _PROMOTE.format(resources="waits AS r")
 
 
 def _bucket(seconds: str) -> str:
@@ -327,15 +400,21 @@ WITH {PG_SETTLE_CTES}
 SELECT (SELECT count(*) FROM settled)
 """
 
+# The ranges a claim walked past blocked rows in: [[lane, priority, head run_at, head id]]
+# (head: that range's first runnable row, null when it has none), or NULL.
+PASSED = """(SELECT jsonb_agg(jsonb_build_array(lane, p, run_at, id)) FROM heads
+        WHERE first_id IS DISTINCT FROM id)"""
+
 PG_CLAIM_SELECT = f"""
-SELECT {_columns("claimed")}, lease.id FROM claimed CROSS JOIN lease
+SELECT {_columns("claimed")}, lease.id, {PASSED}
+FROM (SELECT 1) AS one LEFT JOIN claimed ON true LEFT JOIN lease ON true
 """
 
 # Settle one job and claim the next in one statement: one round trip and one commit per
 # job. The claim reads the snapshot from before the settle, so it never takes back the job
 # it just settled (that row is still 'running' there), nor its lane slot.
 PG_SETTLE_AND_CLAIM_SELECT = f"""
-SELECT (SELECT count(*) FROM settled), {_columns("claimed")}, lease.id
+SELECT (SELECT count(*) FROM settled), {_columns("claimed")}, lease.id, {PASSED}
 FROM (SELECT 1) AS one LEFT JOIN claimed ON true LEFT JOIN lease ON true
 """
 
@@ -384,7 +463,7 @@ UPDATE jobs_job SET
     updated_at = {SQLITE_NOW}
 WHERE id = (
     SELECT id FROM jobs_job
-    WHERE state = 'queued' AND run_at <= {SQLITE_NOW} {{lane_filter}}
+    WHERE state = 'queued' AND blocked_by IS NULL AND run_at <= {SQLITE_NOW} {{lane_filter}}
       AND (locks = '[]' OR NOT EXISTS (
             SELECT 1 FROM jobs_joblock AS held
             WHERE held.resource IN (SELECT value FROM json_each(jobs_job.locks))))
@@ -522,8 +601,33 @@ def settle_and_claim(
     anything but the connection (a refused claim, a trigger, a lost lock race), the settle
     is written alone and the error is the next claim's.
 
+    A settle that released resource locks then promotes the best blocked job of each
+    (``promote_blocked``), in a statement of its own: it must read a snapshot later than
+    the release. If it does not run (a crash, an outage), the next reclaim pass's sweep
+    does it.
+
     Returns whether the settle matched (False: the lease was lost) and the claimed job.
     """
+    settled, claimed = _settle_and_claim_racing(job, how, worker_id, lanes, limits, kinds)
+    if settled and job is not None and job.locks and is_postgres():
+        try:
+            promote_blocked(job.locks)
+        except DatabaseError as exc:
+            if fault(exc) is not None and claimed is None:
+                raise  # nothing claimed to lose: the caller retries; the sweep promotes
+            log.warning("promote_failed", job_id=job.id, error=" ".join(str(exc).split()))
+    return settled, claimed
+
+
+def _settle_and_claim_racing(
+    job: Claimed | None,
+    how: Settlement | None,
+    worker_id: str | None,
+    lanes: Sequence[str] | None,
+    limits: Mapping[str, int] | None = None,
+    kinds: Sequence[str] | None = None,
+) -> tuple[bool, Claimed | None]:
+    """``settle_and_claim`` without the promotion."""
     settle = job is not None and how is not None
     claim = worker_id is not None
     if not (settle or claim):
@@ -990,9 +1094,53 @@ def _pg_settle_and_claim(
         params["kinds"] = list(kinds)
     query = pg_claim(lanes is not None, bool(limits), kinds is not None, settle=settle)
     row = _pg_prepared(query, params)
+    settled = settle and row[0] == 1
     if settle:
-        return row[0] == 1, (_claimed(row[1:]) if row[1] is not None else None)
-    return False, (_claimed(row) if row else None)
+        row = row[1:]
+    if row[12]:  # blocked rows the walk went past: out of the next claims' path
+        _mark_blocked(row[12], params.get("kinds"))
+    return settled, (_claimed(row) if row[0] is not None else None)
+
+
+def _mark_blocked(passed: Any, kinds: list[str] | None) -> None:
+    """Mark the blocked rows the claim walked past (``PG_MARK_BLOCKED``), in statements of
+    their own after the claim, a batch at a time until none is left. Bookkeeping only: if
+    it fails, the rows stay in the runnable index and a later claim reads (and marks) them.
+    """
+    ranges = json.dumps(passed if isinstance(passed, list) else json.loads(passed), default=str)
+    params: dict[str, Any] = {"passed": ranges, "kinds": kinds}
+    kind_filter = "" if kinds is None else "AND kind = ANY(%(kinds)s::text[])"
+    query = PG_MARK_BLOCKED.replace("{kind_filter}", kind_filter)
+    marked = 0
+    try:
+        while True:
+            with transaction.atomic(), connection.cursor() as cursor:
+                cursor.execute(query, params)
+                marked += cursor.rowcount
+            if cursor.rowcount < MARK_BATCH:
+                break
+    except DatabaseError as exc:
+        if fault(exc) == "connection":
+            raise
+        log.warning("mark_blocked_failed", error=" ".join(str(exc).split()))
+    if marked:
+        log.debug("jobs_blocked", count=marked)
+
+
+def promote_blocked(resources: Sequence[str] | None = None) -> list[int]:
+    """PostgreSQL: put back into the runnable index the best blocked job of each of
+    ``resources`` (None: every resource a job is blocked on) whose lock is free now
+    (``PG_PROMOTE``); the ids promoted. Call it after the statement that released those
+    locks (it must read a later snapshot). Nothing on SQLite (no job is ever marked)."""
+    if not is_postgres() or (resources is not None and not resources):
+        return []
+    if resources is None:
+        query, params = PG_SWEEP, {}
+    else:
+        query, params = PG_PROMOTE, {"resources": sorted(set(resources))}
+    with transaction.atomic(), connection.cursor() as cursor:
+        cursor.execute(query, params)
+        return [pk for (pk,) in cursor.fetchall()]
 
 
 def _pg_prepared(query: str, params: dict[str, Any]) -> Any:
