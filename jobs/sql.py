@@ -128,6 +128,10 @@ _QUEUED = "state = 'queued' AND blocked_by IS NULL"
 _FREE = """(locks = '[]'::jsonb OR NOT EXISTS (
             SELECT 1 FROM jobs_joblock AS held
             WHERE held.resource IN (SELECT jsonb_array_elements_text(jobs_job.locks))))"""
+# The runnable index's order: a probe in it is served by that index alone (another one,
+# such as job_state_idx, would need a sort; without this, small statistics pick it and
+# walk the blocked rows that the runnable index leaves out).
+_RUNNABLE_ORDER = "lane, priority DESC, run_at, id"
 _DUE = f"{_QUEUED} AND run_at <= statement_timestamp() {{kind_filter}}"
 
 # The limited lanes whose running jobs have reached their ``max_running`` (%(limited)s and
@@ -146,10 +150,10 @@ PG_SERVED_LIST = """served AS (
     WHERE lane NOT IN (SELECT lane FROM full_lanes)
 )"""
 PG_SERVED_ANY = f"""queued_lanes(lane) AS (
-    (SELECT lane FROM jobs_job WHERE {_QUEUED} ORDER BY lane LIMIT 1)
+    (SELECT lane FROM jobs_job WHERE {_QUEUED} ORDER BY {_RUNNABLE_ORDER} LIMIT 1)
     UNION ALL
     SELECT (SELECT lane FROM jobs_job
-            WHERE {_QUEUED} AND lane > queued_lanes.lane ORDER BY lane LIMIT 1)
+            WHERE {_QUEUED} AND lane > queued_lanes.lane ORDER BY {_RUNNABLE_ORDER} LIMIT 1)
     FROM queued_lanes WHERE queued_lanes.lane IS NOT NULL
 ), served AS (
     SELECT lane FROM queued_lanes
@@ -270,12 +274,16 @@ def pg_claim_ctes(lane_list: bool, limited: bool, kinds: bool) -> str:
 # release (a later statement, a later snapshot) sees it. A lock row being deleted is
 # skipped (SKIP LOCKED): the row is not marked, and the next claim reads it again. No wait
 # of any kind (SKIP LOCKED on job and lock rows), so no deadlock with claims or settles.
+# The marking and promotion statements are planned anew each time, over estimates that
+# can reach the JIT threshold: compiling costs far more than they run.
+NO_JIT = "SET LOCAL jit TO off;\n"
+
 PG_MARK_BLOCKED = f"""
 WITH passed AS (
     SELECT r->>0 AS lane, (r->>1)::smallint AS p, (r->>2)::timestamptz AS run_at,
            (r->>3)::bigint AS id
     FROM jsonb_array_elements(%(passed)s::jsonb) AS r
-), target AS (
+), target AS MATERIALIZED (
     SELECT walked.id, walked.locks FROM passed CROSS JOIN LATERAL (
         SELECT id, locks FROM jobs_job
         WHERE lane = passed.lane AND priority = passed.p AND {_QUEUED}
@@ -284,7 +292,7 @@ WITH passed AS (
         ORDER BY run_at, id
         LIMIT {MARK_BATCH}
         FOR UPDATE SKIP LOCKED) AS walked
-), held AS (
+), held AS MATERIALIZED (
     SELECT resource FROM jobs_joblock
     WHERE resource IN (SELECT jsonb_array_elements_text(locks) FROM target)
     FOR KEY SHARE SKIP LOCKED
@@ -306,9 +314,7 @@ FROM marks WHERE job.id = marks.id AND job.state = 'queued'
 # pass: the promotion a crashed releaser never ran, and one more job per pass of a
 # resource whose promoted job is not being claimed (a full lane, a kind no live worker
 # runs, or another of its locks held: that claim marks it again).
-_PROMOTE = """
-UPDATE jobs_job AS job SET blocked_by = NULL
-FROM (
+_PROMOTE = """promoted AS MATERIALIZED (
     SELECT best.id FROM {resources}
     CROSS JOIN LATERAL (
         SELECT id FROM jobs_job
@@ -318,11 +324,13 @@ FROM (
         FOR UPDATE SKIP LOCKED) AS best
     WHERE r.resource IS NOT NULL
       AND NOT EXISTS (SELECT 1 FROM jobs_joblock WHERE resource = r.resource)
-) AS promoted
+)
+UPDATE jobs_job AS job SET blocked_by = NULL
+FROM promoted
 WHERE job.id = promoted.id AND job.state = 'queued'
 RETURNING job.id
 """
-PG_PROMOTE = _PROMOTE.format(resources="unnest(%(resources)s::text[]) AS r(resource)")
+PG_PROMOTE = "WITH " + _PROMOTE.format(resources="unnest(%(resources)s::text[]) AS r(resource)")
 
 # Every resource some queued job is blocked on: a loose index scan of job_blocked_idx.
 PG_SWEEP = """
@@ -334,7 +342,7 @@ WITH RECURSIVE waits(resource) AS (
             WHERE state = 'queued' AND blocked_by IS NOT NULL AND blocked_by > waits.resource
             ORDER BY blocked_by LIMIT 1)
     FROM waits WHERE waits.resource IS NOT NULL
-)""" + _PROMOTE.format(resources="waits AS r")
+), """ + _PROMOTE.format(resources="waits AS r")
 
 
 def _bucket(seconds: str) -> str:
@@ -1113,12 +1121,13 @@ def _mark_blocked(passed: Any, kinds: list[str] | None) -> None:
     query = PG_MARK_BLOCKED.replace("{kind_filter}", kind_filter)
     marked = 0
     try:
-        while True:
+        batch = MARK_BATCH
+        while batch >= MARK_BATCH:  # a full batch: there may be more
             with transaction.atomic(), connection.cursor() as cursor:
-                cursor.execute(query, params)
-                marked += cursor.rowcount
-            if cursor.rowcount < MARK_BATCH:
-                break
+                cursor.execute(NO_JIT + query, params)  # one round trip
+                cursor.nextset()  # past SET LOCAL: the UPDATE's count
+                batch = cursor.rowcount
+            marked += batch
     except DatabaseError as exc:
         if fault(exc) == "connection":
             raise
@@ -1139,7 +1148,8 @@ def promote_blocked(resources: Sequence[str] | None = None) -> list[int]:
     else:
         query, params = PG_PROMOTE, {"resources": sorted(set(resources))}
     with transaction.atomic(), connection.cursor() as cursor:
-        cursor.execute(query, params)
+        cursor.execute(NO_JIT + query, params)  # one round trip
+        cursor.nextset()  # past SET LOCAL: the UPDATE's rows
         return [pk for (pk,) in cursor.fetchall()]
 
 
