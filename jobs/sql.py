@@ -304,6 +304,7 @@ WITH passed AS (
 )
 UPDATE jobs_job AS job SET blocked_by = marks.resource
 FROM marks WHERE job.id = marks.id AND job.state = 'queued'
+RETURNING job.id
 """
 
 # Promotion: for each of %(resources)s whose lock row is gone, its best blocked job goes
@@ -1123,10 +1124,7 @@ def _mark_blocked(passed: Any, kinds: list[str] | None) -> None:
     try:
         batch = MARK_BATCH
         while batch >= MARK_BATCH:  # a full batch: there may be more
-            with transaction.atomic(), connection.cursor() as cursor:
-                cursor.execute(NO_JIT + query, params)  # one round trip
-                cursor.nextset()  # past SET LOCAL: the UPDATE's count
-                batch = cursor.rowcount
+            batch = len(_bookkeeping(query, params))
             marked += batch
     except DatabaseError as exc:
         if fault(exc) == "connection":
@@ -1147,10 +1145,18 @@ def promote_blocked(resources: Sequence[str] | None = None) -> list[int]:
         query, params = PG_SWEEP, {}
     else:
         query, params = PG_PROMOTE, {"resources": sorted(set(resources))}
+    return [pk for (pk,) in _bookkeeping(query, params)]
+
+
+def _bookkeeping(query: str, params: dict[str, Any]) -> list[Any]:
+    """Run a marking or promotion statement; its rows. Outside a transaction, in one of
+    its own with JIT off (one round trip); inside the caller's, bare, in a savepoint, so
+    that its failure never aborts the caller's transaction."""
+    if not connection.in_atomic_block:
+        return _all_rows(NO_JIT + query, params)
     with transaction.atomic(), connection.cursor() as cursor:
-        cursor.execute(NO_JIT + query, params)  # one round trip
-        cursor.nextset()  # past SET LOCAL: the UPDATE's rows
-        return [pk for (pk,) in cursor.fetchall()]
+        cursor.execute(query, params)
+        return cursor.fetchall()
 
 
 def _pg_prepared(query: str, params: dict[str, Any]) -> Any:
