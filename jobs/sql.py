@@ -601,10 +601,11 @@ def settle_and_claim(
     The claim takes only jobs of ``kinds`` (the kinds this worker has handlers for; None:
     any), so a job of a kind no running worker knows stays queued and uncharged.
 
-    ``limits`` maps the served lanes that have a ``max_running`` to it. Claiming from them
-    is serialized per lane (a transaction-scoped advisory lock on PostgreSQL; SQLite
-    serializes every writer) so that the running count read before the claim stays true
-    until the claim commits: the limit holds across all workers and hosts.
+    ``limits`` maps the served lanes that have a ``max_running`` to it. On PostgreSQL a
+    claim from a limited lane takes one of the lane's slots (``PG_SLOT``) in the claim
+    statement itself, so racing claimers cannot exceed it and claims of other lanes never
+    wait; SQLite serializes every writer, so the running count read before the claim stays
+    true until it commits. Either way the limit holds across all workers and hosts.
 
     The claim is never a reason to lose the settle: when the fused statement fails for
     anything but the connection (a refused claim, a trigger, a lost lock race), the settle
