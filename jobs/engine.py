@@ -388,6 +388,11 @@ def _locks(spec: HandlerSpec, args: dict[str, Any]) -> list[str]:
                 f"a lock of {spec.kind!r} must be a string of 1 to {LOCK_NAME_LENGTH} "
                 f"characters, not {name!r}"
             )
+        if name.startswith(sql.LANE_SLOT_PREFIX):
+            raise InvalidJob(
+                f"a lock of {spec.kind!r} may not start with {sql.LANE_SLOT_PREFIX!r} "
+                f"(reserved for lane slots), not {name!r}"
+            )
     return sorted(set(names))
 
 
@@ -829,8 +834,9 @@ def _event(
 
 
 def held_locks(job_id: int | None = None) -> QuerySet[JobLock]:
-    """Resource locks held now (by one job, or by all), in canonical order."""
-    held = JobLock.objects.order_by("resource")
+    """Resource locks held now (by one job, or by all), in canonical order; not the lane
+    slots (``jobs.sql.LANE_SLOT``) that running jobs of limited lanes hold in that table."""
+    held = JobLock.objects.exclude(resource__startswith=sql.LANE_SLOT_PREFIX).order_by("resource")
     return held if job_id is None else held.filter(job_id=job_id)
 
 
@@ -861,12 +867,19 @@ def reclaim_expired(
     recorded as ``lease_expired``: its worker died or stopped responding during it.
     ``timeout_ms`` bounds the statement (PostgreSQL), e.g. on the lease keeper's
     connection, which must renew its own lease on time.
+
+    Then (PostgreSQL) the sweep of blocked jobs (``jobs.sql.promote_blocked``): the best
+    blocked job of each resource whose lock is free goes back into the claim's path, for
+    the locks this pass freed and any whose releaser died before promoting.
     """
     reclaimed = sql.reclaim(limit, timeout_ms=timeout_ms)
     _log_reclaimed(reclaimed)
-    if reclaimed:  # runnable again, and their locks are free
+    promoted = sql.promote_blocked()
+    if promoted:
+        log.debug("blocked_jobs_promoted", count=len(promoted))
+    if reclaimed or promoted:  # runnable again, and locks are free
         notify.notify_lanes({job.lane for job in reclaimed if job.state == State.QUEUED})
-        notify.notify_lanes({job.lane for job in reclaimed}, freed=True)
+        notify.notify_lanes({job.lane for job in reclaimed} or {"default"}, freed=True)
     return [job.id for job in reclaimed]
 
 
@@ -1097,7 +1110,10 @@ def _cancel(job_id: int, actor: str) -> Job:
     # Its lease expired (worker died or frozen): end that attempt as a reclaim would, into
     # `cancelled` (its `reclaimed` event says so), fencing out the old worker's writes.
     expired = Job.objects.filter(pk=job_id, state=State.RUNNING, lease_expires_at__lt=Now())
-    for ended in sql.reclaim(1, job_id=job_id, cancel=True, actor=actor) if expired else ():
+    ended_attempts = sql.reclaim(1, job_id=job_id, cancel=True, actor=actor) if expired else []
+    if ended_attempts:
+        sql.promote_blocked()  # its locks are free: their blocked waiters go on
+    for ended in ended_attempts:
         log.info(
             "job_cancelled",
             job_id=job_id,

@@ -52,6 +52,10 @@ class Job(models.Model):
     cancel_requested = models.BooleanField(default=False)
     # The resources this job must hold to run (I8): sorted, deduplicated, fixed at enqueue.
     locks = models.JSONField(default=list, blank=True)
+    # A queued job a claim found blocked: one of its resource locks (this one) was held.
+    # It leaves the runnable index until that lock is released (jobs.sql.PG_PROMOTE);
+    # the job is still ``queued`` (PostgreSQL only; NULL on SQLite).
+    blocked_by = models.CharField(max_length=255, null=True, blank=True)  # noqa: DJ001
     result = models.JSONField(null=True, blank=True)
     progress = models.JSONField(null=True, blank=True)
     last_error = models.TextField(blank=True, default="")
@@ -62,16 +66,18 @@ class Job(models.Model):
 
     class Meta:
         indexes = [
-            # Claim reads only runnable rows, however many finished ones the table holds.
+            # Claim reads only runnable rows, however many finished (or blocked) ones the
+            # table holds: lane by lane, priority by priority, in run_at order.
             models.Index(
                 fields=["lane", "-priority", "run_at", "id"],
-                name="job_claim_idx",
-                condition=Q(state="queued"),
+                name="job_runnable_idx",
+                condition=Q(state="queued", blocked_by__isnull=True),
             ),
+            # The blocked jobs of each resource, best first: what a release promotes.
             models.Index(
-                fields=["-priority", "run_at", "id"],
-                name="job_claim_any_lane_idx",
-                condition=Q(state="queued"),
+                fields=["blocked_by", "-priority", "run_at", "id"],
+                name="job_blocked_idx",
+                condition=Q(state="queued", blocked_by__isnull=False),
             ),
             # An idle worker's "when is the next job due?" (jobs.worker): a short range scan.
             models.Index(fields=["run_at"], name="job_due_idx", condition=Q(state="queued")),

@@ -77,9 +77,12 @@ def event_dict(event: JobEvent) -> dict[str, Any]:
 
 
 def job_detail_dict(job: Job) -> dict[str, Any]:
-    """A job with its attempts, the resource locks it holds now, and its event log."""
+    """A job with its attempts, the resource locks it holds now (or, queued, the one it
+    waits for), and its event log."""
     data = job_dict(job)
     data["leases"] = [lease_dict(lease) for lease in job.leases.order_by("lease_token")]
     data["locks"] = list(engine.held_locks(job.pk).values_list("resource", flat=True))
     data["events"] = [event_dict(event) for event in events(job.pk)]
+    # A queued job a claim found blocked: the held resource lock it waits for.
+    data["waiting_for"] = job.blocked_by if job.state == "queued" else None
     return data

@@ -90,23 +90,127 @@ def _columns(table: str) -> str:
     return ", ".join(f"{table}.{column.strip()}" for column in CLAIMED_COLUMNS.split(","))
 
 
-# The claim, as CTEs: pick the best runnable row whose resource locks are all free
-# (skipping rows other workers are locking), make it ours under the next lease token, write
-# the attempt's lease row (which is also its "claimed" event: see jobs.events), and take
-# its locks in canonical (sorted) order.
-# Two claimers racing for one free resource both insert its lock row: the primary key makes
+# The claim, as CTEs. The walk reads only rows it could take, whatever waits:
+#
+# * lanes: the served lanes (the worker's list, or every lane with a runnable row: a loose
+#   index scan of ``job_runnable_idx``), less the full ones. A lane at its
+#   ``max_running`` (``full_lanes``) is never entered, so its backlog is never walked.
+# * priorities: per served lane, a loose index scan (``pairs``) over its distinct
+#   priorities, one index probe each. Within one (lane, priority) the index is in
+#   ``run_at`` order, so the due rows are one index range that ends at the database
+#   clock: delayed jobs are never walked, whatever their priority.
+# * blocked jobs: a queued job whose resource lock is held is taken out of the runnable
+#   index (``blocked_by``, see ``PG_MARK_BLOCKED``) after the claim that first walks past
+#   it, and put back (``PG_PROMOTE``) when that lock is released. The statement returns
+#   the (lane, priority) ranges whose first due row was not their first runnable one
+#   (``passed``: one more index probe per range), so that only then the marking runs.
+# * order: each (lane, priority)'s first runnable row (``heads``, read, not locked), best
+#   first by (priority DESC, run_at, id); the first of them no other claimer is locking is
+#   taken (``FOR UPDATE SKIP LOCKED``: concurrent claimers never wait on each other or take
+#   the same row). Claim order holds across lanes and priorities.
+# * lane limits: a running job of a limited lane holds one of the lane's ``max_running``
+#   slots, a lock row (``holdfast:lane:<lane>:<n>``) in ``jobs_joblock`` written with the
+#   job's resource locks and released with them (settle, reclaim). No lane lock: a claim
+#   of an unlimited lane never waits on a limited one.
+#
+# Then: make the row ours under the next lease token, write the attempt's lease row (which
+# is also its "claimed" event: see jobs.events), take its locks (and lane slot) in
+# canonical order. Two claimers racing for one
+# free resource (or a lane's last slot) both insert its lock row: the primary key makes
 # the second one's whole statement fail (nothing of it commits), and it claims again (I8).
-PG_CLAIM_CTES = f"""
-candidate AS (
-    SELECT id FROM jobs_job
-    WHERE state = 'queued' AND run_at <= statement_timestamp() {{lane_filter}}
-      AND (locks = '[]'::jsonb OR NOT EXISTS (
+LANE_SLOT = "'holdfast:lane:' || {lane} || ':' || {n}"
+LANE_SLOT_PREFIX = "holdfast:"  # reserved: a job's own lock names may not start with it
+MARK_BATCH = 5000  # blocked rows one marking statement marks at most
+
+# The runnable index's condition, and a row the claim may take: due, of a served kind,
+# its resource locks all free.
+_QUEUED = "state = 'queued' AND blocked_by IS NULL"
+_FREE = """(locks = '[]'::jsonb OR NOT EXISTS (
             SELECT 1 FROM jobs_joblock AS held
-            WHERE held.resource IN (SELECT jsonb_array_elements_text(jobs_job.locks))))
-    ORDER BY priority DESC, run_at, id
+            WHERE held.resource IN (SELECT jsonb_array_elements_text(jobs_job.locks))))"""
+# The runnable index's order: a probe in it is served by that index alone (another one,
+# such as job_state_idx, would need a sort; without this, small statistics pick it and
+# walk the blocked rows that the runnable index leaves out).
+_RUNNABLE_ORDER = "lane, priority DESC, run_at, id"
+_DUE = f"{_QUEUED} AND run_at <= statement_timestamp() {{kind_filter}}"
+
+# The limited lanes whose running jobs have reached their ``max_running`` (%(limited)s and
+# %(limits)s: parallel arrays): a read of the running rows of those lanes only. The slots
+# enforce the limit against racing claimers; this count keeps a full lane out of the walk
+# (and counts jobs that run without a slot: claimed before the slots existed).
+PG_FULL_LANES = """full_lanes AS (
+    SELECT l.lane FROM unnest(%(limited)s::text[], %(limits)s::int[]) AS l(lane, k)
+    WHERE (SELECT count(*) FROM jobs_job
+           WHERE state = 'running' AND lane = l.lane) >= l.k
+)"""
+PG_NO_FULL_LANES = "full_lanes AS (SELECT ''::text AS lane WHERE false)"
+
+PG_SERVED_LIST = """served AS (
+    SELECT lane FROM unnest(%(lanes)s::text[]) AS s(lane)
+    WHERE lane NOT IN (SELECT lane FROM full_lanes)
+)"""
+PG_SERVED_ANY = f"""queued_lanes(lane) AS (
+    (SELECT lane FROM jobs_job WHERE {_QUEUED} ORDER BY {_RUNNABLE_ORDER} LIMIT 1)
+    UNION ALL
+    SELECT (SELECT lane FROM jobs_job
+            WHERE {_QUEUED} AND lane > queued_lanes.lane ORDER BY {_RUNNABLE_ORDER} LIMIT 1)
+    FROM queued_lanes WHERE queued_lanes.lane IS NOT NULL
+), served AS (
+    SELECT lane FROM queued_lanes
+    WHERE lane IS NOT NULL AND lane NOT IN (SELECT lane FROM full_lanes)
+)"""
+
+PG_WALK = f"""pairs(lane, p) AS (
+    SELECT served.lane, (SELECT priority FROM jobs_job
+                         WHERE {_QUEUED} AND lane = served.lane
+                         ORDER BY priority DESC LIMIT 1)
+    FROM served
+    UNION ALL
+    SELECT pairs.lane, (SELECT priority FROM jobs_job
+                        WHERE {_QUEUED} AND lane = pairs.lane AND priority < pairs.p
+                        ORDER BY priority DESC LIMIT 1)
+    FROM pairs WHERE pairs.p IS NOT NULL
+), heads AS (
+    SELECT pairs.lane, pairs.p, head.run_at, head.id, first_due.id AS first_id
+    FROM pairs LEFT JOIN LATERAL (
+        SELECT run_at, id FROM jobs_job
+        WHERE lane = pairs.lane AND priority = pairs.p AND {_DUE} AND {_FREE}
+        ORDER BY run_at, id
+        LIMIT 1) AS head ON true
+    LEFT JOIN LATERAL (
+        SELECT id FROM jobs_job
+        WHERE lane = pairs.lane AND priority = pairs.p AND {_DUE}
+        ORDER BY run_at, id
+        LIMIT 1) AS first_due ON true
+    WHERE pairs.p IS NOT NULL
+), candidate AS (
+    SELECT pick.id, pick.lane
+    FROM (SELECT lane, p, run_at, id FROM heads WHERE id IS NOT NULL
+          ORDER BY p DESC, run_at, id) AS ranked
+    CROSS JOIN LATERAL (
+        SELECT id, lane FROM jobs_job
+        WHERE lane = ranked.lane AND priority = ranked.p AND {_DUE} AND {_FREE}
+        ORDER BY run_at, id
+        LIMIT 1
+        FOR UPDATE SKIP LOCKED) AS pick
     LIMIT 1
-    FOR UPDATE SKIP LOCKED
-), claimed AS (
+)"""
+
+# The candidate's lane slot, when its lane is limited: the lowest one free.
+PG_SLOT = f"""slot AS (
+    SELECT {LANE_SLOT.format(lane="l.lane", n="n")} AS resource
+    FROM candidate
+    JOIN unnest(%(limited)s::text[], %(limits)s::int[]) AS l(lane, k) ON l.lane = candidate.lane
+    CROSS JOIN LATERAL generate_series(0, l.k - 1) AS n
+    WHERE NOT EXISTS (SELECT 1 FROM jobs_joblock
+                      WHERE resource = {LANE_SLOT.format(lane="l.lane", n="n")})
+    ORDER BY n
+    LIMIT 1
+)"""
+# A job of a limited lane is claimed only with a slot.
+PG_SLOT_GUARD = "AND (candidate.lane <> ALL(%(limited)s::text[]) OR EXISTS (SELECT 1 FROM slot))"
+
+PG_TAKE = f"""claimed AS (
     UPDATE jobs_job AS job SET
         state = 'running',
         attempts = job.attempts + 1,
@@ -117,7 +221,7 @@ candidate AS (
         started_at = statement_timestamp(),
         updated_at = statement_timestamp()
     FROM candidate
-    WHERE job.id = candidate.id AND job.state = 'queued'
+    WHERE job.id = candidate.id AND job.state = 'queued' {{slot_guard}}
     RETURNING {_columns("job")}
 ), lease AS (
     INSERT INTO jobs_lease (job_id, attempt, lease_token, worker_id, acquired_at, expires_at,
@@ -129,9 +233,112 @@ candidate AS (
 ), taken_locks AS (
     INSERT INTO jobs_joblock (resource, job_id, lease_token, acquired_at)
     SELECT lock.resource, claimed.id, claimed.lease_token, statement_timestamp()
-    FROM claimed, jsonb_array_elements_text(claimed.locks) WITH ORDINALITY AS lock(resource, n)
-    ORDER BY lock.n
+    FROM claimed CROSS JOIN LATERAL ({{lock_names}}) AS lock(resource)
+    ORDER BY lock.resource COLLATE "C"
 )"""
+
+_JOB_LOCKS = "SELECT jsonb_array_elements_text(claimed.locks)"
+
+
+@functools.lru_cache(maxsize=64)
+def pg_claim_ctes(lane_list: bool, limited: bool, kinds: bool) -> str:
+    """The claim's CTEs for one shape of worker: from a lane list or every lane, with
+    lane limits or none, of some kinds or any."""
+    kind_filter = "AND kind = ANY(%(kinds)s::text[])" if kinds else ""
+    parts = [
+        PG_FULL_LANES if limited else PG_NO_FULL_LANES,
+        PG_SERVED_LIST if lane_list else PG_SERVED_ANY,
+        PG_WALK,
+    ]
+    if limited:
+        parts.append(PG_SLOT)
+        take = PG_TAKE.format(
+            slot_guard=PG_SLOT_GUARD,
+            lock_names=f"{_JOB_LOCKS} UNION ALL SELECT resource FROM slot",
+        )
+    else:
+        take = PG_TAKE.format(slot_guard="", lock_names=_JOB_LOCKS)
+    parts.append(take)
+    return ",\n".join(parts).replace("{kind_filter}", kind_filter)
+
+
+# A claim's walked-past blocked rows leave the runnable index, each marked with one of its
+# resource locks that is held, in a statement of its own. Never a lost wake-up: a row is
+# marked only with a lock row this statement holds FOR KEY SHARE, so the release that
+# deletes that lock row waits for this mark to commit, and the promotion that follows the
+# release (a later statement, a later snapshot) sees it. A lock row being deleted is
+# skipped (SKIP LOCKED): the row is not marked, and the next claim reads it again. No wait
+# of any kind (SKIP LOCKED on job and lock rows), so no deadlock with claims or settles.
+# The marking and promotion statements are planned anew each time, over estimates that
+# can reach the JIT threshold: compiling costs far more than they run.
+NO_JIT = "SET LOCAL jit TO off;\n"
+
+PG_MARK_BLOCKED = f"""
+WITH passed AS (
+    SELECT r->>0 AS lane, (r->>1)::smallint AS p, (r->>2)::timestamptz AS run_at,
+           (r->>3)::bigint AS id
+    FROM jsonb_array_elements(%(passed)s::jsonb) AS r
+), target AS MATERIALIZED (
+    SELECT walked.id, walked.locks FROM passed CROSS JOIN LATERAL (
+        SELECT id, locks FROM jobs_job
+        WHERE lane = passed.lane AND priority = passed.p AND {_QUEUED}
+          AND run_at <= statement_timestamp() {{kind_filter}} AND jsonb_array_length(locks) > 0
+          AND (passed.id IS NULL OR (run_at, id) < (passed.run_at, passed.id))
+        ORDER BY run_at, id
+        LIMIT {MARK_BATCH}
+        FOR UPDATE SKIP LOCKED) AS walked
+), held AS MATERIALIZED (
+    SELECT resource FROM jobs_joblock
+    WHERE resource IN (SELECT jsonb_array_elements_text(locks) FROM target)
+    FOR KEY SHARE SKIP LOCKED
+), marks AS (
+    SELECT target.id, min(held.resource) AS resource
+    FROM target CROSS JOIN LATERAL jsonb_array_elements_text(target.locks) AS lock(resource)
+    JOIN held ON held.resource = lock.resource
+    GROUP BY target.id
+)
+UPDATE jobs_job AS job SET blocked_by = marks.resource
+FROM marks WHERE job.id = marks.id AND job.state = 'queued'
+RETURNING job.id
+"""
+
+# Promotion: for each of %(resources)s whose lock row is gone, its best blocked job goes
+# back into the runnable index. One per resource: only one of them can take the lock, and
+# the others stay out of every claim's path (a resource's backlog is walked never, not
+# once per job). Run after each release, in a later statement than the delete (see
+# PG_MARK_BLOCKED); ``sweep_blocked`` runs it over every blocked resource on each reclaim
+# pass: the promotion a crashed releaser never ran, and one more job per pass of a
+# resource whose promoted job is not being claimed (a full lane, a kind no live worker
+# runs, or another of its locks held: that claim marks it again).
+_PROMOTE = """promoted AS MATERIALIZED (
+    SELECT best.id FROM {resources}
+    CROSS JOIN LATERAL (
+        SELECT id FROM jobs_job
+        WHERE state = 'queued' AND blocked_by = r.resource
+        ORDER BY priority DESC, run_at, id
+        LIMIT 1
+        FOR UPDATE SKIP LOCKED) AS best
+    WHERE r.resource IS NOT NULL
+      AND NOT EXISTS (SELECT 1 FROM jobs_joblock WHERE resource = r.resource)
+)
+UPDATE jobs_job AS job SET blocked_by = NULL
+FROM promoted
+WHERE job.id = promoted.id AND job.state = 'queued'
+RETURNING job.id
+"""
+PG_PROMOTE = "WITH " + _PROMOTE.format(resources="unnest(%(resources)s::text[]) AS r(resource)")
+
+# Every resource some queued job is blocked on: a loose index scan of job_blocked_idx.
+PG_SWEEP = """
+WITH RECURSIVE waits(resource) AS (
+    (SELECT blocked_by FROM jobs_job
+     WHERE state = 'queued' AND blocked_by IS NOT NULL ORDER BY blocked_by LIMIT 1)
+    UNION ALL
+    SELECT (SELECT blocked_by FROM jobs_job
+            WHERE state = 'queued' AND blocked_by IS NOT NULL AND blocked_by > waits.resource
+            ORDER BY blocked_by LIMIT 1)
+    FROM waits WHERE waits.resource IS NOT NULL
+), """ + _PROMOTE.format(resources="waits AS r")
 
 
 def _bucket(seconds: str) -> str:
@@ -184,28 +391,37 @@ settled AS (
         seconds = jobs_outcomecount.seconds + EXCLUDED.seconds
 )"""
 
-PG_CLAIM = f"""
-WITH {PG_CLAIM_CTES}
-SELECT {_columns("claimed")}, lease.id FROM claimed CROSS JOIN lease
-"""
-
 PG_SETTLE = f"""
 WITH {PG_SETTLE_CTES}
 SELECT (SELECT count(*) FROM settled)
 """
 
-# Settle one job and claim the next in one statement: one round trip and one commit per
-# job. The claim reads the snapshot from before the settle, so it never takes back the job
-# it just settled (that row is still 'running' there).
-PG_SETTLE_AND_CLAIM = f"""
-WITH {PG_SETTLE_CTES}, {PG_CLAIM_CTES}
-SELECT (SELECT count(*) FROM settled), {_columns("claimed")}, lease.id
+# The ranges a claim walked past blocked rows in: [[lane, priority, head run_at, head id]]
+# (head: that range's first runnable row, null when it has none), or NULL.
+PASSED = """(SELECT jsonb_agg(jsonb_build_array(lane, p, run_at, id)) FROM heads
+        WHERE first_id IS DISTINCT FROM id)"""
+
+PG_CLAIM_SELECT = f"""
+SELECT {_columns("claimed")}, lease.id, {PASSED}
 FROM (SELECT 1) AS one LEFT JOIN claimed ON true LEFT JOIN lease ON true
 """
 
-# Serialize claims from lanes with a max_running, lane by lane in sorted order (so two
-# claimers never wait on each other crosswise); released when the transaction ends.
-PG_LOCK_LANE = "SELECT pg_advisory_xact_lock(hashtext('holdfast.lane:' || %s::text))"
+# Settle one job and claim the next in one statement: one round trip and one commit per
+# job. The claim reads the snapshot from before the settle, so it never takes back the job
+# it just settled (that row is still 'running' there), nor its lane slot.
+PG_SETTLE_AND_CLAIM_SELECT = f"""
+SELECT (SELECT count(*) FROM settled), {_columns("claimed")}, lease.id, {PASSED}
+FROM (SELECT 1) AS one LEFT JOIN claimed ON true LEFT JOIN lease ON true
+"""
+
+
+def pg_claim(lane_list: bool, limited: bool, kinds: bool, settle: bool = False) -> str:
+    """The claim statement (with ``settle``: the fused settle-and-claim) of one shape."""
+    ctes = pg_claim_ctes(lane_list, limited, kinds)
+    if settle:
+        return f"WITH RECURSIVE {PG_SETTLE_CTES},\n{ctes}{PG_SETTLE_AND_CLAIM_SELECT}"
+    return f"WITH RECURSIVE {ctes}{PG_CLAIM_SELECT}"
+
 
 BULK_INSERT_CHUNK = 10_000
 MAX_LOCK_RACES = 50  # each lost race means another claimer's lock committed: progress
@@ -272,7 +488,7 @@ UPDATE jobs_job SET
     updated_at = {SQLITE_NOW}
 WHERE id = (
     SELECT id FROM jobs_job
-    WHERE state = 'queued' AND run_at <= {SQLITE_NOW} {{lane_filter}}
+    WHERE state = 'queued' AND blocked_by IS NULL AND run_at <= {SQLITE_NOW} {{lane_filter}}
       AND (locks = '[]' OR NOT EXISTS (
             SELECT 1 FROM jobs_joblock AS held
             WHERE held.resource IN (SELECT value FROM json_each(jobs_job.locks))))
@@ -397,17 +613,43 @@ def settle_and_claim(
     The claim takes only jobs of ``kinds`` (the kinds this worker has handlers for; None:
     any), so a job of a kind no running worker knows stays queued and uncharged.
 
-    ``limits`` maps the served lanes that have a ``max_running`` to it. Claiming from them
-    is serialized per lane (a transaction-scoped advisory lock on PostgreSQL; SQLite
-    serializes every writer) so that the running count read before the claim stays true
-    until the claim commits: the limit holds across all workers and hosts.
+    ``limits`` maps the served lanes that have a ``max_running`` to it. On PostgreSQL a
+    claim from a limited lane takes one of the lane's slots (``PG_SLOT``) in the claim
+    statement itself, so racing claimers cannot exceed it and claims of other lanes never
+    wait; SQLite serializes every writer, so the running count read before the claim stays
+    true until it commits. Either way the limit holds across all workers and hosts.
 
     The claim is never a reason to lose the settle: when the fused statement fails for
     anything but the connection (a refused claim, a trigger, a lost lock race), the settle
     is written alone and the error is the next claim's.
 
+    A settle that released resource locks then promotes the best blocked job of each
+    (``promote_blocked``), in a statement of its own: it must read a snapshot later than
+    the release. If it does not run (a crash, an outage), the next reclaim pass's sweep
+    does it.
+
     Returns whether the settle matched (False: the lease was lost) and the claimed job.
     """
+    settled, claimed = _settle_and_claim_racing(job, how, worker_id, lanes, limits, kinds)
+    if settled and job is not None and job.locks and is_postgres():
+        try:
+            promote_blocked(job.locks)
+        except DatabaseError as exc:
+            if fault(exc) is not None and claimed is None:
+                raise  # nothing claimed to lose: the caller retries; the sweep promotes
+            log.warning("promote_failed", job_id=job.id, error=" ".join(str(exc).split()))
+    return settled, claimed
+
+
+def _settle_and_claim_racing(
+    job: Claimed | None,
+    how: Settlement | None,
+    worker_id: str | None,
+    lanes: Sequence[str] | None,
+    limits: Mapping[str, int] | None = None,
+    kinds: Sequence[str] | None = None,
+) -> tuple[bool, Claimed | None]:
+    """``settle_and_claim`` without the promotion."""
     settle = job is not None and how is not None
     claim = worker_id is not None
     if not (settle or claim):
@@ -481,16 +723,17 @@ def _settle_and_claim_limited(
     limits: Mapping[str, int] | None,
     kinds: Sequence[str] | None,
 ) -> tuple[bool, Claimed | None]:
-    if not (worker_id is not None and limits):
-        return _settle_and_claim(params, settle, worker_id, lanes, excluded=(), kinds=kinds)
-    with transaction.atomic():
-        if is_postgres():
-            with connection.cursor() as cursor:
-                for lane in sorted(limits):
-                    cursor.execute(PG_LOCK_LANE, [lane])
-        return _settle_and_claim(
-            params, settle, worker_id, lanes, excluded=_full(limits), kinds=kinds
-        )
+    claim = worker_id is not None
+    if claim:
+        params["worker"] = worker_id
+    if is_postgres():  # lane limits are slots taken by the statement itself: no lane lock
+        return _pg_settle_and_claim(params, settle, claim, lanes, limits or {}, kinds)
+    if not (claim and limits):
+        lane_filter = _lane_filter(lanes, (), params) + _kind_filter(kinds, params)
+        return _sqlite_settle_and_claim(params, lane_filter, settle=settle, claim=claim)
+    with transaction.atomic():  # BEGIN IMMEDIATE: the running count stays true to commit
+        lane_filter = _lane_filter(lanes, _full(limits), params) + _kind_filter(kinds, params)
+        return _sqlite_settle_and_claim(params, lane_filter, settle=settle, claim=claim)
 
 
 # The engine's own statements outside the handler's transaction (heartbeat, reclaim) bound
@@ -849,32 +1092,79 @@ def _full(limits: Mapping[str, int]) -> list[str]:
     return sorted(lane for lane, n in running if n >= limits[lane])
 
 
-def _settle_and_claim(
+def _pg_settle_and_claim(
     params: dict[str, Any],
     settle: bool,
-    worker_id: str | None,
+    claim: bool,
     lanes: Sequence[str] | None,
-    excluded: Sequence[str],
-    kinds: Sequence[str] | None = None,
+    limits: Mapping[str, int],
+    kinds: Sequence[str] | None,
 ) -> tuple[bool, Claimed | None]:
-    lane_filter = ""
-    if worker_id is not None:
-        params["worker"] = worker_id
-        lane_filter = _lane_filter(lanes, excluded, params) + _kind_filter(kinds, params)
-    run = _pg_settle_and_claim if is_postgres() else _sqlite_settle_and_claim
-    return run(params, lane_filter, settle=settle, claim=worker_id is not None)
-
-
-def _pg_settle_and_claim(
-    params: dict[str, Any], lane_filter: str, *, settle: bool, claim: bool
-) -> tuple[bool, Claimed | None]:
-    if settle and claim:
-        row = _pg_prepared(PG_SETTLE_AND_CLAIM.format(lane_filter=lane_filter), params)
-        return row[0] == 1, (_claimed(row[1:]) if row[1] is not None else None)
-    if settle:
+    if not claim:
         return _pg_prepared(PG_SETTLE, params)[0] == 1, None
-    row = _pg_prepared(PG_CLAIM.format(lane_filter=lane_filter), params)
-    return False, (_claimed(row) if row else None)
+    if lanes is not None:
+        params["lanes"] = list(lanes)
+    if limits:
+        params["limited"] = sorted(limits)
+        params["limits"] = [int(limits[lane]) for lane in params["limited"]]
+    if kinds is not None:
+        params["kinds"] = list(kinds)
+    query = pg_claim(lanes is not None, bool(limits), kinds is not None, settle=settle)
+    row = _pg_prepared(query, params)
+    settled = settle and row[0] == 1
+    if settle:
+        row = row[1:]
+    if row[12]:  # blocked rows the walk went past: out of the next claims' path
+        _mark_blocked(row[12], params.get("kinds"))
+    return settled, (_claimed(row) if row[0] is not None else None)
+
+
+def _mark_blocked(passed: Any, kinds: list[str] | None) -> None:
+    """Mark the blocked rows the claim walked past (``PG_MARK_BLOCKED``), in statements of
+    their own after the claim, a batch at a time until none is left. Bookkeeping only: if
+    it fails, the rows stay in the runnable index and a later claim reads (and marks) them.
+    """
+    ranges = json.dumps(passed if isinstance(passed, list) else json.loads(passed), default=str)
+    params: dict[str, Any] = {"passed": ranges, "kinds": kinds}
+    kind_filter = "" if kinds is None else "AND kind = ANY(%(kinds)s::text[])"
+    query = PG_MARK_BLOCKED.replace("{kind_filter}", kind_filter)
+    marked = 0
+    try:
+        batch = MARK_BATCH
+        while batch >= MARK_BATCH:  # a full batch: there may be more
+            batch = len(_bookkeeping(query, params))
+            marked += batch
+    except DatabaseError as exc:
+        if fault(exc) == "connection":
+            raise
+        log.warning("mark_blocked_failed", error=" ".join(str(exc).split()))
+    if marked:
+        log.debug("jobs_blocked", count=marked)
+
+
+def promote_blocked(resources: Sequence[str] | None = None) -> list[int]:
+    """PostgreSQL: put back into the runnable index the best blocked job of each of
+    ``resources`` (None: every resource a job is blocked on) whose lock is free now
+    (``PG_PROMOTE``); the ids promoted. Call it after the statement that released those
+    locks (it must read a later snapshot). Nothing on SQLite (no job is ever marked)."""
+    if not is_postgres() or (resources is not None and not resources):
+        return []
+    if resources is None:
+        query, params = PG_SWEEP, {}
+    else:
+        query, params = PG_PROMOTE, {"resources": sorted(set(resources))}
+    return [pk for (pk,) in _bookkeeping(query, params)]
+
+
+def _bookkeeping(query: str, params: dict[str, Any]) -> list[Any]:
+    """Run a marking or promotion statement; its rows. Outside a transaction, in one of
+    its own with JIT off (one round trip); inside the caller's, bare, in a savepoint, so
+    that its failure never aborts the caller's transaction."""
+    if not connection.in_atomic_block:
+        return _all_rows(NO_JIT + query, params)
+    with transaction.atomic(), connection.cursor() as cursor:
+        cursor.execute(query, params)
+        return cursor.fetchall()
 
 
 def _pg_prepared(query: str, params: dict[str, Any]) -> Any:
@@ -1100,16 +1390,8 @@ def sqlite_insert_jobs(
 def _lane_filter(
     lanes: Sequence[str] | None, excluded: Sequence[str], params: dict[str, Any]
 ) -> str:
-    """The claim's lane condition: only ``lanes`` (None: any), never ``excluded``."""
+    """SQLite: the claim's lane condition: only ``lanes`` (None: any), never ``excluded``."""
     clauses = []
-    if is_postgres():
-        if lanes is not None:
-            params["lanes"] = list(lanes)
-            clauses.append("AND lane = ANY(%(lanes)s::text[])")
-        if excluded:
-            params["excluded"] = list(excluded)
-            clauses.append("AND lane <> ALL(%(excluded)s::text[])")
-        return " ".join(clauses)
     for operator, prefix, names in (("IN", "lane", lanes), ("NOT IN", "excluded", excluded)):
         if names is None or (operator == "NOT IN" and not names):
             continue
@@ -1120,16 +1402,12 @@ def _lane_filter(
 
 
 def _kind_filter(kinds: Sequence[str] | None, params: dict[str, Any]) -> str:
-    """The claim's kind condition: only kinds this worker can run (None: any kind).
+    """SQLite: the claim's kind condition: only kinds this worker can run (None: any kind).
 
-    One array (PostgreSQL) or JSON (SQLite) parameter whatever the number of kinds, so the
-    prepared claim keeps one text.
+    One JSON parameter whatever the number of kinds, so the claim keeps one text.
     """
     if kinds is None:
         return ""
-    if is_postgres():
-        params["kinds"] = list(kinds)
-        return " AND kind = ANY(%(kinds)s::text[])"
     params["kinds"] = json.dumps(list(kinds))
     return " AND kind IN (SELECT value FROM json_each(%(kinds)s))"
 

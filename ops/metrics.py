@@ -96,7 +96,8 @@ def spool_files() -> tuple[dict[str, int], float]:
 
 
 def oldest_runnable(now: Any) -> QuerySet[Job, tuple[str, Any]]:
-    """(lane, oldest run_at) of runnable queued jobs, through the claim's partial index."""
+    """(lane, oldest run_at) of due queued jobs (blocked ones included), through an index
+    of the active rows (job_state_idx), never the finished history."""
     return (
         Job.objects.filter(state=State.QUEUED, run_at__lte=now)
         .values_list("lane")

@@ -288,6 +288,11 @@ class JobDetailResponse(JobResponse):
     locks = serializers.ListField(
         child=serializers.CharField(), help_text="resource locks the job holds now"
     )
+    waiting_for = serializers.CharField(
+        allow_null=True,
+        help_text="a queued job a claim found blocked: the held resource lock it waits for "
+        "(PostgreSQL; null otherwise)",
+    )
     events = EventResponse(many=True, help_text="the job's event log, oldest first")
 
 

@@ -7,31 +7,43 @@ from django.db import connection
 
 from jobs import engine
 from jobs.models import Job, State
-from jobs.sql import PG_CLAIM, PG_RECLAIM
+from jobs.sql import PG_RECLAIM, pg_claim
 
 pytestmark = [pytest.mark.django_db, pytest.mark.postgres]
 
 
-def explain(lane_filter: str = "", params: dict | None = None) -> str:
+def explain(lanes: list[str] | None, limits: dict[str, int] | None, kinds: bool) -> str:
+    params = {"worker": "w", "lanes": lanes, "kinds": ["test.noop"] if kinds else None}
+    if limits:
+        params.update(limited=list(limits), limits=list(limits.values()))
     with connection.cursor() as cursor:
         cursor.execute("ANALYZE jobs_job")
-        cursor.execute(
-            "EXPLAIN " + PG_CLAIM.format(lane_filter=lane_filter), {"worker": "w", **(params or {})}
-        )
+        cursor.execute("EXPLAIN " + pg_claim(lanes is not None, bool(limits), kinds), params)
         return "\n".join(row[0] for row in cursor.fetchall())
 
 
-@pytest.mark.parametrize("lanes", [None, ["default"]])
-def test_claim_reads_only_runnable_rows_in_claim_order(lanes):
+SHAPES = [
+    (None, None, False),  # any lane: the any-lane index, priority by priority
+    (None, None, True),
+    (["default"], None, True),  # lane by lane through the lane index
+    (None, {"limited": 2}, True),  # every lane with a queued job, less the full ones
+    (["default", "limited"], {"limited": 2}, False),
+]
+
+
+@pytest.mark.parametrize("lanes,limits,kinds", SHAPES)
+def test_claim_reads_only_runnable_rows_in_claim_order(lanes, limits, kinds):
     """With 20,000 finished jobs and a backlog, claim walks a partial index in order."""
     finished = engine.enqueue_many("test.noop", [{} for _ in range(20_000)])
     Job.objects.filter(pk__in=[job.pk for job in finished]).update(state=State.SUCCEEDED)
     engine.enqueue_many("test.noop", [{} for _ in range(3_000)])
-    lane_filter = "" if lanes is None else "AND lane = ANY(%(lanes)s)"
-    plan = explain(lane_filter, {"lanes": lanes})
-    assert "job_claim_idx" in plan or "job_claim_any_lane_idx" in plan, plan
+    plan = explain(lanes, limits, kinds)
+    assert "job_runnable_idx" in plan, plan
+    assert "job_state_idx" not in plan.split("CTE claimed")[0], plan
     assert not re.search(r"Seq Scan on jobs_job\b", plan), plan
-    assert "Sort" not in plan.split("CTE claimed")[0], plan  # index order, no sort
+    # Index order, no sort of job rows: the only sort ranks the (lane, priority) heads.
+    sorts = re.findall(r"Sort Key: (.*)", plan.split("CTE claimed")[0])
+    assert set(sorts) <= {"heads.p DESC, heads.run_at, heads.id", "n.n"}, plan  # n: lane slots
 
 
 def plan_of(sql: str, params: dict | None = None, seqscan: bool = True) -> str:

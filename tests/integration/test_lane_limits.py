@@ -1,9 +1,10 @@
 """Lane ``max_running``: enforced at claim time, in the database, across all workers."""
 
 import threading
+import time
 
 import pytest
-from django.db import connection
+from django.db import connection, transaction
 from django.test import override_settings
 
 from jobs import engine
@@ -69,3 +70,46 @@ def test_concurrent_claimers_never_exceed_the_limit():
         thread.join()
     assert len(claimed) == 2
     assert Job.objects.filter(state=State.RUNNING).count() == 2
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db(transaction=True)
+@override_settings(
+    HOLDFAST_LANES={"default": {}, "limited": {"kinds": ["test.echo"], "max_running": 1}}
+)
+def test_an_unlimited_lane_claim_never_waits_on_a_limited_lane():
+    """A claim of a limited lane's job holds that lane's slot until it commits; a worker
+    serving every lane meanwhile claims the default lane's job without waiting (no lane
+    lock), and the limited lane's next job is not claimed past the limit."""
+    engine.enqueue_many("test.echo", [{"n": i} for i in range(3)])
+    other = engine.enqueue("test.noop", priority=5)
+    holding, done = threading.Event(), threading.Event()
+    held: list[int] = []
+
+    def holder() -> None:
+        try:
+            with transaction.atomic():  # the claim's slot row stays uncommitted
+                held.append(claim_one("holder", ["limited"]).id)
+                holding.set()
+                done.wait(10)
+        finally:
+            connection.close()
+
+    thread = threading.Thread(target=holder)
+    thread.start()
+    try:
+        assert holding.wait(10)
+        with transaction.atomic():
+            with connection.cursor() as cursor:
+                cursor.execute("SET LOCAL lock_timeout = '300ms'")
+            start = time.monotonic()
+            job = engine.claim("all-lanes")
+            waited = time.monotonic() - start
+        assert job is not None and job.id == other.pk
+        assert waited < 0.3
+    finally:
+        done.set()
+        thread.join()
+    assert len(held) == 1
+    assert engine.claim("all-lanes") is None  # the limited lane is full (max_running=1)
+    assert Job.objects.filter(lane="limited", state=State.RUNNING).count() == 1

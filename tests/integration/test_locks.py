@@ -45,8 +45,9 @@ def test_enqueue_many_stores_each_jobs_own_locks():
         {"resources": [""]},
         {"resources": [7]},
         {"resources": ["x" * 256]},
+        {"resources": ["holdfast:lane:default:0"]},
     ],
-    ids=["missing", "none", "string", "empty-name", "not-a-string", "too-long"],
+    ids=["missing", "none", "string", "empty-name", "not-a-string", "too-long", "reserved"],
 )
 def test_locks_that_cannot_be_derived_are_bad_input(args):
     with pytest.raises(InvalidJob, match="lock"):
