@@ -5,8 +5,8 @@
 
 Commands:
 
-* ``enqueue-single N``: N calls of ``jobs.engine.enqueue``, each its own transaction.
-* ``enqueue-bulk N``: one ``jobs.engine.enqueue_many`` call with N jobs (also how the
+* ``enqueue-single N``: N calls of ``jobs.enqueueing.enqueue``, each its own transaction.
+* ``enqueue-bulk N``: one ``jobs.enqueueing.enqueue_many`` call with N jobs (also how the
   worker measurements seed their queue).
 * ``profile N``: run ``WorkerProcess(burst=True).run()`` in this process over N queued
   no-op jobs, first plain (wall and CPU time per job), then under cProfile.
@@ -41,7 +41,7 @@ def _setup() -> None:
 
 
 def enqueue_single(n: int) -> dict[str, Any]:
-    from jobs.engine import enqueue
+    from jobs.enqueueing import enqueue
 
     enqueue(KIND, {"i": -1})  # warm up: handler discovery, connection, statement caches
     start = time.perf_counter()
@@ -52,7 +52,7 @@ def enqueue_single(n: int) -> dict[str, Any]:
 
 
 def enqueue_bulk(n: int) -> dict[str, Any]:
-    from jobs.engine import enqueue_many
+    from jobs.enqueueing import enqueue_many
 
     enqueue_many(KIND, [{"i": -1}])  # warm up
     args = [{"i": i} for i in range(n)]
@@ -66,7 +66,7 @@ def enqueue_bulk(n: int) -> dict[str, Any]:
 def profile(n: int, top: int = 30) -> dict[str, Any]:
     from django.db import connection
 
-    from jobs.engine import enqueue_many
+    from jobs.enqueueing import enqueue_many
     from jobs.worker import WorkerProcess
 
     def seed() -> None:
@@ -107,7 +107,7 @@ def enqueue_spaced(n: int) -> dict[str, Any]:
     """One job at a time, 50-150 ms apart, for an idle worker to pick up (wake latency)."""
     import random
 
-    from jobs.engine import enqueue
+    from jobs.enqueueing import enqueue
 
     for i in range(n):
         time.sleep(random.uniform(0.05, 0.15))
@@ -174,7 +174,7 @@ def _empty_tables() -> None:
     with connection.cursor() as cursor:
         cursor.execute(
             "TRUNCATE jobs_joblock, jobs_jobevent, jobs_lease, jobs_job, jobs_worker,"
-            " jobs_attemptcount RESTART IDENTITY CASCADE"
+            " jobs_outcomecount RESTART IDENTITY CASCADE"
         )
 
 

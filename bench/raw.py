@@ -194,6 +194,16 @@ def seed_minimal(target: Target, n: int) -> None:
 
 # --- the claim/complete loop -----------------------------------------------------------
 
+# How the loop finds a runnable row, through the table's own claim index: on Holdfast's
+# table the runnable index (lane, priority DESC, run_at, id) of unblocked queued rows, one
+# lane (every benchmark job is in "default"), as a worker of that lane claims; on the
+# minimal table its one partial index.
+RUNNABLE = {
+    "runnable": "state = 'queued' AND blocked_by IS NULL AND lane = 'default'",
+    "order": "lane, priority DESC, run_at, id",
+}
+MINIMAL_RUNNABLE = {"runnable": "state = 'queued'", "order": "priority DESC, run_at, id"}
+
 PG_CLAIM = """
 UPDATE jobs_job SET
     state = 'running',
@@ -204,8 +214,8 @@ UPDATE jobs_job SET
     started_at = now()
 WHERE id = (
     SELECT id FROM jobs_job
-    WHERE state = 'queued' AND run_at <= now()
-    ORDER BY priority DESC, run_at, id
+    WHERE {runnable} AND run_at <= now()
+    ORDER BY {order}
     LIMIT 1
     FOR UPDATE SKIP LOCKED
 )
@@ -230,8 +240,8 @@ UPDATE jobs_job SET
     started_at = {SQLITE_NOW}
 WHERE id = (
     SELECT id FROM jobs_job
-    WHERE state = 'queued' AND run_at <= {SQLITE_NOW}
-    ORDER BY priority DESC, run_at, id
+    WHERE {{runnable}} AND run_at <= {SQLITE_NOW}
+    ORDER BY {{order}}
     LIMIT 1
 )
 RETURNING id, lease_token, args
@@ -254,6 +264,7 @@ def claim_complete_loop(
     claim_sql, complete_sql = (
         (PG_CLAIM, PG_COMPLETE) if target.vendor == "postgres" else (SQLITE_CLAIM, SQLITE_COMPLETE)
     )
+    claim_sql = claim_sql.format(**(RUNNABLE if table == "jobs_job" else MINIMAL_RUNNABLE))
     claim_sql, complete_sql = (q.replace("jobs_job", table) for q in (claim_sql, complete_sql))
     conn = target.connect()
     done = 0

@@ -7,7 +7,7 @@ For each database it creates a scratch database (PostgreSQL: ``holdfast_bench`` 
 server of ``BENCH_DATABASE_URL``, default ``postgres://postgres@127.0.0.1:5432``; SQLite: a
 file in a temporary directory), migrates it with ``manage.py migrate``, and measures:
 
-* enqueue rate: ``jobs.engine.enqueue`` one job per transaction, and ``enqueue_many``;
+* enqueue rate: ``jobs.enqueueing.enqueue`` one job per transaction, and ``enqueue_many``;
   next to raw inserts of the same rows (one per commit; ``COPY``/``executemany`` in bulk);
 * processed jobs/s of a no-op handler with 1 and 2 real ``manage.py runworker --burst``
   processes, next to the raw claim/complete bound (``bench/raw.py``) with as many

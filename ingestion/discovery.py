@@ -42,7 +42,7 @@ from typing import Any
 from django.db import transaction
 from django.db.models import F, QuerySet
 
-from jobs import engine
+from jobs import engine, enqueueing
 from jobs.context import JobContext
 from jobs.exceptions import HoldfastError, PermanentError, StateConflict
 from jobs.log import get_logger
@@ -114,7 +114,7 @@ def start_discovery(source: Source) -> tuple[Job | None, str]:
         busy = active_jobs(source.name).first()
         if busy is not None:
             return None, _already(source, busy)
-        job = engine.enqueue(
+        job = enqueueing.enqueue(
             DISCOVER_KIND, {"source": source.name}, unique_key=f"discover:{source.name}"
         )
         if job is None:
@@ -486,7 +486,7 @@ def _finish(source: Source, run: DiscoveryRun, result: dict[str, Any]) -> None:
 
 def _continue(source: Source, run: DiscoveryRun, delay: timedelta | None) -> None:
     key = f"discover:{source.name}:run{run.pk}:job{run.jobs}"
-    job = engine.enqueue(
+    job = enqueueing.enqueue(
         DISCOVER_KIND, {"source": source.name, "run": run.pk}, unique_key=key, delay=delay
     )
     if job is None:  # a lane that drops when full; the next scheduled discovery resumes it

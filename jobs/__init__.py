@@ -21,7 +21,7 @@ from .registry import handler
 from .retry import RetryPolicy
 
 if TYPE_CHECKING:
-    from .engine import enqueue, enqueue_many
+    from .enqueueing import enqueue, enqueue_many
 
 __all__ = [
     "Cancelled",
@@ -41,9 +41,9 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
-    # The engine imports models, which must wait until Django's app registry is ready.
+    # Enqueueing imports models, which must wait until Django's app registry is ready.
     if name in ("enqueue", "enqueue_many"):
-        from . import engine
+        from . import enqueueing
 
-        return getattr(engine, name)
+        return getattr(enqueueing, name)
     raise AttributeError(f"module 'jobs' has no attribute {name!r}")

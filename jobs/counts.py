@@ -9,8 +9,7 @@ state adjusts in its own transaction, each at the statement that makes it:
   (``jobs.sql``: succeeded, dead, cancelled) and reclaim of a spent or cancelled job. It
   is also the metrics' attempt counter, so an attempt costs one counter write, not two;
 * ``jobs_jobcount``: the rest: cancel of a queued job (into ``cancelled``), requeue of a
-  dead job (``jobs.engine``) and pruning (``jobs.retention``, out of one), and the settles
-  of workers older than 0.3.
+  dead job (``jobs.operations``) and pruning (``jobs.retention``, out of one).
 
 So neither reader scans the finished history, and both report exactly what
 ``SELECT lane, state, count(*) FROM jobs_job GROUP BY 1, 2`` would. Only a change made

@@ -9,8 +9,8 @@ rows: two row writes fewer per job, and the log is still complete, since a lease
 the change it records commit together or not at all.
 
 Everything else (progress, cancel requests, reclaims, requeues, cancels) is a
-``jobs_jobevent`` row. Rows of ``claimed`` or ``settled`` written by workers older than
-0.3 are kept and shown as they are, never twice.
+``jobs_jobevent`` row. Rows of ``claimed`` or ``settled`` written by workers of 0.1 are
+kept and shown as they are, never twice.
 
 Order: attempt by attempt (lease token), each as claimed, the events its token names (in
 insertion order), settled; an event of no attempt (a requeue, the cancel of a queued job)

@@ -1,6 +1,7 @@
 """The engine's tables: jobs, the attempt record of each claim (leases), and workers.
 
-Only ``jobs.engine`` changes a job's state; these classes hold data and indexes.
+Only the engine (``jobs.engine``, ``jobs.enqueueing``, ``jobs.operations``) changes a
+job's state; these classes hold data and indexes.
 """
 
 from __future__ import annotations
@@ -127,7 +128,7 @@ class Lease(models.Model):
     traceback = models.TextField(blank=True, default="")
     context = models.JSONField(default=dict, blank=True)
     # Written by the settle that ends the attempt (NULL while it runs, when reclaim ended it,
-    # or when a worker older than 0.3 settled it): the job's state after it and whether a
+    # or when a worker of 0.1 settled it): the job's state after it and whether a
     # cancel had been requested. With acquired_at and released_at they are the attempt's
     # "claimed" and "settled" events (``jobs.events``), which are not stored twice.
     settled_state = models.CharField(max_length=16, null=True, blank=True)  # noqa: DJ001
@@ -254,47 +255,20 @@ DURATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30,
 ATTEMPT_COUNT_SHARDS = 16  # rows per (kind, outcome, bucket): concurrent settles spread out
 
 
-class AttemptCount(models.Model):
-    """How many attempts of a kind ended with an outcome, by duration bucket, as counted
-    by workers before 0.3 (which also wrote ``JobCount`` for each finished job). Since
-    0.3 the settle writes ``OutcomeCount`` instead; readers add both, so the metrics stay
-    exact across an upgrade with old workers still running.
-
-    ``shard`` (the backend's pid modulo ``ATTEMPT_COUNT_SHARDS``) keeps concurrent workers
-    off each other's row locks; readers sum over it.
-    """
-
-    kind = models.CharField(max_length=200)
-    outcome = models.CharField(max_length=16, choices=Outcome.choices)
-    bucket = models.PositiveSmallIntegerField()  # index into DURATION_BUCKETS; len() is +Inf
-    shard = models.PositiveSmallIntegerField(default=0)
-    count = models.BigIntegerField(default=0)
-    seconds = models.FloatField(default=0.0)  # the attempts' summed durations
-
-    class Meta:
-        constraints = [
-            models.UniqueConstraint(
-                fields=["kind", "outcome", "bucket", "shard"], name="attempt_count_key"
-            )
-        ]
-
-    def __str__(self) -> str:
-        return f"{self.count} {self.kind} attempts {self.outcome} (bucket {self.bucket})"
-
-
 class OutcomeCount(models.Model):
     """How many attempts of a kind in a lane ended with an outcome, leaving the job in a
     state, by duration bucket: one row write per settled attempt serves two readers.
 
     * the metrics' counters (``holdfast_job_attempts_total``,
-      ``holdfast_job_duration_seconds``) sum it by (kind, outcome, bucket), plus the rows
-      of ``AttemptCount`` written before it existed;
+      ``holdfast_job_duration_seconds``) sum it by (kind, outcome, bucket);
     * the finished jobs' counts sum it by (lane, state) over the finished states, plus
       ``JobCount``, which holds every transition into or out of a finished state that is
       not an attempt ending (cancel of a queued job, requeue of a dead one, pruning).
 
     The settle statement (``jobs.sql``) and reclaim add to a row in the same statement
-    that records the attempt's outcome, so both stay exact. ``shard`` as in AttemptCount.
+    that records the attempt's outcome, so both stay exact, survive restarts and are never
+    touched by pruning. ``shard`` (the backend's pid modulo ``ATTEMPT_COUNT_SHARDS``) keeps
+    concurrent workers off each other's row locks; readers sum over it.
     """
 
     kind = models.CharField(max_length=200)
@@ -326,8 +300,8 @@ class JobCount(models.Model):
     The count of (lane, state) is this table's sum plus ``OutcomeCount``'s for the same
     lane and state. Attempts that end (settle, reclaim) are counted there; every other
     transition into or out of a finished state adds its +1 or -1 here in its own
-    transaction (cancel of a queued job, requeue of a dead job in ``jobs.engine``; pruning
-    in ``jobs.retention``; settles of workers older than 0.3), so the two sums together
+    transaction (cancel of a queued job, requeue of a dead job in ``jobs.operations``; pruning
+    in ``jobs.retention``), so the two sums together
     equal ``count(*)`` of the lane's rows in that state. ``shard`` (the backend's
     pid modulo ``ATTEMPT_COUNT_SHARDS``) keeps concurrent settles off each other's row
     locks; a shard's own count may go below zero, only the sum means anything.

@@ -19,7 +19,7 @@ from .retry import RetryPolicy, as_policy
 
 DEFAULT_MAX_ATTEMPTS = 10
 # The kind of every job of Django's Tasks API (jobs.tasks_backend); its args name the task
-# function (``args["task"]``), and kind filters also take that path (engine.kind_filter).
+# function (``args["task"]``), and kind filters also take that path (operations.kind_filter).
 TASK_KIND = "django.task"
 
 HandlerFunc = Callable[..., Any]

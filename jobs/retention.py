@@ -5,7 +5,7 @@ deletes with them) are deleted a set time after they finished.
 --with-scheduler``) runs it every ``HOLDFAST_RETENTION_SECONDS`` with the kept times of
 ``HOLDFAST_RETAIN_SUCCEEDED``, ``HOLDFAST_RETAIN_CANCELLED`` and ``HOLDFAST_RETAIN_DEAD``.
 Deletes go in batches, each its own short transaction, oldest first; queued and running
-jobs are never touched. The metrics' counters (``jobs_attemptcount``) are not job rows:
+jobs are never touched. The metrics' counters (``jobs_outcomecount``) are not job rows:
 pruning never lowers them; each batch takes its jobs off the finished jobs' counts
 (``jobs_jobcount``) in its own transaction.
 """

@@ -20,7 +20,7 @@ from django.db import IntegrityError, InterfaceError, OperationalError, connecti
 from django.db.models import F
 from django.db.models.functions import Now
 
-from . import engine, retention
+from . import engine, enqueueing, retention
 from .exceptions import HoldfastError
 from .log import get_logger
 from .models import CatchUp, Job, Schedule
@@ -141,7 +141,7 @@ def _enqueue_slot(row: Schedule, unique_key: str) -> Job | None:
     """Enqueue a schedule's job; a refusal is logged and the schedule still advances."""
     try:
         with transaction.atomic():
-            return engine.enqueue(row.kind, row.args, lane=row.lane, unique_key=unique_key)
+            return enqueueing.enqueue(row.kind, row.args, lane=row.lane, unique_key=unique_key)
     except HoldfastError as exc:
         log.error("schedule_enqueue_failed", schedule=row.name, kind=row.kind, error=str(exc))
         return None
@@ -177,7 +177,9 @@ def run_now(name: str, actor: str = "operator") -> Job:
     While such a manual run is queued or running, asking again returns that job.
     """
     row = get(name)
-    job = engine.enqueue(row.kind, row.args, lane=row.lane, unique_key=f"schedule:{name}:manual")
+    job = enqueueing.enqueue(
+        row.kind, row.args, lane=row.lane, unique_key=f"schedule:{name}:manual"
+    )
     if job is None:
         raise HoldfastError(f"the lane of schedule {name!r} is full and drops new jobs")
     log.info("schedule_run_now", schedule=name, job_id=job.pk, by=actor)

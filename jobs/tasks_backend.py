@@ -34,6 +34,7 @@ from django.utils.dateparse import parse_datetime
 from django.utils.json import normalize_json
 from django.utils.module_loading import import_string
 
+from . import enqueueing
 from . import lanes as lane_config
 from .exceptions import Cancelled, InvalidJob, LaneFull, LaneRefused, PermanentError, UnknownKind
 from .registry import TASK_KIND, handler
@@ -238,7 +239,6 @@ class HoldfastBackend(BaseTaskBackend):
         self, task: Task[Any, Any], args: Sequence[Any], kwargs: Mapping[str, Any]
     ) -> TaskResult[Any, Any]:
         """Write the task's job in the caller's transaction; it exists iff that commits."""
-        from . import engine
 
         self.validate_task(task)
         defaults = self._defaults()
@@ -251,7 +251,7 @@ class HoldfastBackend(BaseTaskBackend):
                 "takes_context": task.takes_context,
                 "run_after": task.run_after.isoformat() if task.run_after else None,
             }
-            engine.ARGS_ENCODER.encode([payload["args"], payload["kwargs"]])  # NaN, Infinity
+            enqueueing.ARGS_ENCODER.encode([payload["args"], payload["kwargs"]])  # NaN, Infinity
         except (TypeError, ValueError) as exc:
             raise InvalidTaskArguments(
                 f"Task {task.module_path}: arguments must be JSON-serializable ({exc})."
@@ -260,7 +260,7 @@ class HoldfastBackend(BaseTaskBackend):
         if locks is not None:
             payload["locks"] = locks
         try:
-            job = engine.enqueue(
+            job = enqueueing.enqueue(
                 KIND,
                 payload,
                 lane=task.queue_name,
@@ -487,7 +487,7 @@ def run_task(ctx: JobContext, **payload: Any) -> Any:
 
 
 def _json_result(raw: Any) -> Any:
-    from .engine import ARGS_ENCODER
+    from .enqueueing import ARGS_ENCODER
 
     try:
         value = normalize_json(raw)

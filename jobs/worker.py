@@ -59,7 +59,7 @@ from django.db import (
 )
 from django.db.models.functions import Now
 
-from . import engine, notify, sql
+from . import engine, notify, sql, workers
 from . import lanes as lane_config
 from .context import JobContext
 from .exceptions import Cancelled, LeaseLost, PermanentError, UnknownKind
@@ -111,7 +111,7 @@ class WorkerProcess:
         grace_seconds: float | None = None,
         with_scheduler: bool = False,
     ) -> None:
-        self.worker_id = worker_id or engine.default_worker_id()
+        self.worker_id = worker_id or workers.default_worker_id()
         self.lanes = list(lanes) if lanes else None
         self.limits = lane_config.running_limits(self.lanes)  # lane -> max_running
         self.burst = burst
@@ -157,7 +157,7 @@ class WorkerProcess:
             # nothing yet, so there is nothing to hand back.
             with contextlib.suppress(GaveUp):
                 self._with_db_retry(
-                    lambda: engine.register_worker(self.worker_id, self.lanes, self.kinds),
+                    lambda: workers.register_worker(self.worker_id, self.lanes, self.kinds),
                     give_up=lambda: self.stopping,
                 )
                 keeper.start()
@@ -167,7 +167,7 @@ class WorkerProcess:
             self._waker.close()
             if keeper.is_alive():
                 keeper.join(timeout=10)
-            self._quietly(lambda: engine.worker_stopped(self.worker_id))
+            self._quietly(lambda: workers.worker_stopped(self.worker_id))
             log.info("worker_exiting", processed=self.processed)
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
@@ -388,7 +388,7 @@ class WorkerProcess:
         if now >= state.next_worker_beat:
             state.next_worker_beat = now + WORKER_BEAT_SECONDS
             job_id = current[0].id if current else None
-            self._quietly(functools.partial(engine.worker_heartbeat, self.worker_id, job_id))
+            self._quietly(functools.partial(workers.worker_heartbeat, self.worker_id, job_id))
 
     @staticmethod
     def _beat_interval(job: Claimed) -> float:
@@ -466,7 +466,7 @@ class WorkerProcess:
             state.next_reclaim = 0.0  # a full batch: more may be waiting
             state.reclaim_limit = min(sql.RECLAIM_BATCH, limit * 2)
             return
-        self._quietly(engine.prune_workers)  # rows of long-gone workers
+        self._quietly(workers.prune_workers)  # rows of long-gone workers
         state.next_reclaim = time.monotonic() + every
 
     def _schedule_pass(self, state: _KeeperState) -> None:
@@ -515,7 +515,7 @@ class WorkerProcess:
             except Exception as error:
                 log.error("release_failed", error=_one_line(error))
                 time.sleep(0.5)
-        self._quietly(lambda: engine.worker_stopped(self.worker_id))
+        self._quietly(lambda: workers.worker_stopped(self.worker_id))
         sys.stderr.flush()
         os._exit(EXIT_KEEPER_DIED)
 
@@ -553,7 +553,7 @@ class WorkerProcess:
                 return  # settled meanwhile, maybe with the next job claimed: look again
         except DatabaseError as exc:
             log.error("release_failed", job_id=job.id, error=_one_line(exc))
-        self._quietly(lambda: engine.worker_stopped(self.worker_id))
+        self._quietly(lambda: workers.worker_stopped(self.worker_id))
         sys.stderr.flush()
         os._exit(0)
 

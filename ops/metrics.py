@@ -4,9 +4,8 @@ Every figure is computed at scrape time from rows, so any API process (a fresh o
 reports the same values, and the counters only grow across restarts and job pruning:
 
 * ``holdfast_job_attempts_total{kind,outcome}`` and the ``holdfast_job_duration_seconds{kind}``
-  histogram come from ``jobs_outcomecount`` (plus ``jobs_attemptcount``, counted before
-  0.3), which the settle statement (and reclaim) add to in the statement that records each
-  attempt's outcome. Pruning never touches it.
+  histogram come from ``jobs_outcomecount``, which the settle statement (and reclaim) add
+  to in the statement that records each attempt's outcome. Pruning never touches it.
 * ``holdfast_jobs{lane,state}`` comes from ``jobs.counts``, as ``queue_status``'s counts
   do: queued (delayed ones included) and running jobs counted from their rows, finished
   ones (succeeded, dead, cancelled) from the counter tables, which every transition into
@@ -39,7 +38,6 @@ from jobs import engine
 from jobs import lanes as lane_config
 from jobs.models import (
     DURATION_BUCKETS,
-    AttemptCount,
     Job,
     Outcome,
     OutcomeCount,
@@ -171,13 +169,11 @@ class HoldfastCollector(Collector):
         yield age
 
     def _attempts(self) -> Iterator[Metric]:
-        rows = [  # counted before 0.3 and since, by (kind, outcome, bucket)
-            row
-            for model in (AttemptCount, OutcomeCount)
-            for row in model.objects.values_list("kind", "outcome", "bucket")
+        rows = (
+            OutcomeCount.objects.values_list("kind", "outcome", "bucket")
             .annotate(n=Sum("count"), s=Sum("seconds"))
             .order_by()
-        ]
+        )
         attempts: dict[tuple[str, str], int] = defaultdict(int)
         buckets: dict[str, list[int]] = defaultdict(lambda: [0] * (len(DURATION_BUCKETS) + 1))
         seconds: dict[str, float] = defaultdict(float)

@@ -29,7 +29,7 @@ from rest_framework.views import APIView
 
 from ingestion import reconciliation, search
 from ingestion.spool import Spool
-from jobs import engine
+from jobs import operations
 from jobs.exceptions import InvalidJob
 from jobs.log import get_logger
 from jobs.models import Job
@@ -157,7 +157,7 @@ class DeadJobsView(OpsView):
         responses={200: DeadJobsResponse, **schema.READ_ERRORS},
     )
     def get(self, request: Request) -> Response:
-        found = engine.dead_jobs(
+        found = operations.dead_jobs(
             kind=self.query.get("kind"),
             lane=self.query.get("lane"),
             since=self.query.get("since"),
@@ -197,7 +197,7 @@ class RequeueDeadView(OpsView):
         kind, lane = chosen.get("kind"), chosen.get("lane")
         selected: list[Job] = []
         if ids or kind or lane or chosen["all"]:  # a body that names nothing chooses no job
-            selected = list(engine.dead_jobs(ids, kind=kind, lane=lane))
+            selected = list(operations.dead_jobs(ids, kind=kind, lane=lane))
         if ids:  # named jobs that are not dead are conflicts, reported with the rest
             found = {job.pk for job in selected}
             others = Job.objects.filter(pk__in=[pk for pk in ids if pk not in found])
@@ -205,7 +205,7 @@ class RequeueDeadView(OpsView):
             if missing:
                 raise NotFound(f"no job with id {', '.join(map(str, missing))}")
             selected = sorted([*selected, *others], key=lambda job: job.pk)
-        report = engine.requeue_each(
+        report = operations.requeue_each(
             selected, actor=principal(request).name, dry_run=chosen["dry_run"]
         )
         data: dict[str, Any] = {
@@ -231,7 +231,7 @@ class JobView(OpsView):
         responses={200: JobDetailResponse, 404: schema.NOT_FOUND, **schema.READ_ERRORS},
     )
     def get(self, request: Request, job_id: int) -> Response:
-        return Response(job_detail_dict(engine.get_job(job_id)))
+        return Response(job_detail_dict(operations.get_job(job_id)))
 
 
 class RequeueView(OpsView):
@@ -249,7 +249,7 @@ class RequeueView(OpsView):
     )
     def post(self, request: Request, job_id: int) -> Response:
         with transaction.atomic():
-            job = engine.requeue_one(job_id, actor=principal(request).name)
+            job = operations.requeue_one(job_id, actor=principal(request).name)
         return Response(job_dict(job))
 
 
@@ -271,7 +271,7 @@ class CancelView(OpsView):
     )
     def post(self, request: Request, job_id: int) -> Response:
         with transaction.atomic():
-            job = engine.cancel(job_id, actor=principal(request).name)
+            job = operations.cancel(job_id, actor=principal(request).name)
         return Response(job_dict(job))
 
 

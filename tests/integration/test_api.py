@@ -22,7 +22,7 @@ from structlog.testing import capture_logs
 
 from ingestion import reconciliation
 from ingestion.models import ReconciliationIssue
-from jobs import engine
+from jobs import engine, enqueueing, operations
 from jobs.models import Job, State, Worker
 from jobs.serialization import job_detail_dict, job_dict, lease_dict
 from jobs.status import queue_status
@@ -40,7 +40,7 @@ API = "/internal/v1/"
 
 def make_dead_job(message: str = "no disk", **enqueue: Any) -> Job:
     """A real dead job: test.fail allows 3 attempts, each claimed and failed."""
-    job = engine.enqueue("test.fail", **enqueue)
+    job = enqueueing.enqueue("test.fail", **enqueue)
     for attempt in range(3):
         engine.fail(claim_one(), failure(f"{message} ({attempt + 1})"), backoff_seconds=0)
     job.refresh_from_db()
@@ -49,7 +49,7 @@ def make_dead_job(message: str = "no disk", **enqueue: Any) -> Job:
 
 
 def make_succeeded_job() -> Job:
-    job = engine.enqueue("test.echo")
+    job = enqueueing.enqueue("test.echo")
     engine.complete(claim_one(), {"ok": True})
     job.refresh_from_db()
     return job
@@ -124,7 +124,7 @@ class World:
 
 @pytest.fixture
 def world() -> World:
-    return World(dead=make_dead_job(), queued=engine.enqueue("test.echo"), issue=make_issue())
+    return World(dead=make_dead_job(), queued=enqueueing.enqueue("test.echo"), issue=make_issue())
 
 
 # (method, path template, body); every endpoint that needs a token.
@@ -278,7 +278,7 @@ def test_requeue_a_job_that_is_not_dead_is_409(client, api_tokens, state):
     if state == "succeeded":
         job = make_succeeded_job()
     else:
-        job = engine.enqueue("test.echo")
+        job = enqueueing.enqueue("test.echo")
         if state == "running":
             claim_one()
     response = call(client, "POST", f"jobs/{job.pk}/requeue/", api_tokens.write)
@@ -295,7 +295,7 @@ def test_requeue_twice_is_a_conflict_the_second_time(client, api_tokens):
 
 
 def test_cancel_a_queued_job_cancels_it_at_once(client, api_tokens):
-    job = engine.enqueue("test.echo")
+    job = enqueueing.enqueue("test.echo")
     with capture_logs() as logs:
         response = call(client, "POST", f"jobs/{job.pk}/cancel/", api_tokens.write)
     assert response.status_code == 200, response.content
@@ -310,7 +310,7 @@ def test_cancel_a_queued_job_cancels_it_at_once(client, api_tokens):
 
 
 def test_cancel_a_running_job_requests_cancellation(client, api_tokens):
-    job = engine.enqueue("test.echo")
+    job = enqueueing.enqueue("test.echo")
     claimed = claim_one("w1")
     with capture_logs() as logs:
         response = call(client, "POST", f"jobs/{job.pk}/cancel/", api_tokens.write)
@@ -335,7 +335,7 @@ def test_cancel_a_finished_job_is_409(client, api_tokens, state):
     elif state == "dead":
         job = make_dead_job()
     else:
-        job = engine.cancel(engine.enqueue("test.echo").pk)
+        job = operations.cancel(enqueueing.enqueue("test.echo").pk)
     response = call(client, "POST", f"jobs/{job.pk}/cancel/", api_tokens.write)
     data = assert_error(response, 409, "conflict")
     assert data["error"] == f"job {job.pk} is {state}: it has finished, nothing to cancel"
@@ -385,7 +385,7 @@ def list_dead(client, token: str, query: str = "") -> dict[str, Any]:
 
 def test_dead_jobs_are_listed_newest_first_with_their_last_error(client, api_tokens):
     first, second = make_dead_job("one"), make_dead_job("two")
-    engine.enqueue("test.echo")  # not dead: not listed
+    enqueueing.enqueue("test.echo")  # not dead: not listed
     data = list_dead(client, api_tokens.read)
     assert data["count"] == 2
     assert [job["id"] for job in data["jobs"]] == [second.pk, first.pk]
@@ -745,7 +745,7 @@ def test_wrong_methods_are_json_405(client, api_tokens, method, path):
 
 
 def test_unknown_query_parameters_are_refused_everywhere(client, api_tokens):
-    for path in ["queue/", "health/", f"jobs/{engine.enqueue('test.echo').pk}/"]:
+    for path in ["queue/", "health/", f"jobs/{enqueueing.enqueue('test.echo').pk}/"]:
         data = assert_error(call(client, "GET", f"{path}?verbose=1", api_tokens.read), 400)
         assert list(data["fields"]) == ["verbose"]
 
@@ -799,7 +799,7 @@ def fields_of(serializer_class) -> set[str]:
 
 def test_schema_serializers_name_the_fields_the_api_serves():
     dead = make_dead_job()
-    claim_one_after = engine.enqueue("test.echo")
+    claim_one_after = enqueueing.enqueue("test.echo")
     claim_one("w1")
     Worker.objects.create(id="w1", host="h", pid=1)
     issue = make_issue()
@@ -817,7 +817,7 @@ def test_schema_serializers_name_the_fields_the_api_serves():
 
 def test_post_needs_no_cookie_and_no_csrf_token(api_tokens):
     """DRF's views are csrf_exempt and only bearer tokens authenticate: no CSRF surface."""
-    job = engine.enqueue("test.echo")
+    job = enqueueing.enqueue("test.echo")
     strict = Client(enforce_csrf_checks=True)
     assert not strict.cookies
     response = strict.post(
@@ -829,7 +829,7 @@ def test_post_needs_no_cookie_and_no_csrf_token(api_tokens):
 
 def test_queue_gives_the_queue_status_figures(client, api_tokens):
     make_dead_job()
-    engine.enqueue("test.echo")
+    enqueueing.enqueue("test.echo")
     data = call(client, "GET", "queue/", api_tokens.read).json()
     assert set(data) == set(queue_status())
     assert (data["totals"]["dead"], data["totals"]["queued"], data["dead"]) == (1, 1, 1)

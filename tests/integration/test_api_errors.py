@@ -12,7 +12,7 @@ import pytest
 from django.conf import settings
 from django.test import Client
 
-from jobs import engine
+from jobs import enqueueing
 from ops import tokens, views
 from tests.conftest import REPO
 
@@ -89,7 +89,7 @@ MATRIX = [
     ],
 )
 def test_every_error_status_is_json(status, method, path, who, extra, read_token, write_token):
-    engine.enqueue("test.echo")
+    enqueueing.enqueue("test.echo")
     from ingestion import reconciliation
 
     reconciliation.record("quarantined_submission", "a.json", details={})

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from schemathesis import BaseSchema, GenerationMode
 
 from ingestion import reconciliation
-from jobs import engine
+from jobs import engine, enqueueing
 from jobs.models import Worker
 from ops import tokens
 
@@ -44,12 +44,12 @@ def write_token(transactional_db: None) -> str:
 
 @pytest.fixture
 def rows(transactional_db: None) -> Rows:
-    dead = engine.enqueue("test.fail")
+    dead = enqueueing.enqueue("test.fail")
     for _ in range(3):
         engine.fail(claim_one(), failure(), backoff_seconds=0)
-    running = engine.enqueue("test.echo")
+    running = enqueueing.enqueue("test.echo")
     claim_one("w-fuzz")
-    queued = engine.enqueue("test.echo")
+    queued = enqueueing.enqueue("test.echo")
     open_issue = reconciliation.record("quarantined_submission", "a.json", details={"why": "x"})
     resolved = reconciliation.record("gone_at_source", "https://example.org/x", source="docs")
     reconciliation.resolve(resolved.pk, by="someone", comment="fixed")

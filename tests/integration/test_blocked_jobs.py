@@ -14,7 +14,7 @@ import psycopg
 import pytest
 from django.db import connection, transaction
 
-from jobs import engine, sql
+from jobs import engine, enqueueing, operations, sql
 from jobs.models import Job, JobLock, State
 from jobs.serialization import job_detail_dict
 from jobs.status import queue_status
@@ -25,7 +25,7 @@ pytestmark = pytest.mark.django_db
 
 
 def locked(*resources: str, **options):
-    return engine.enqueue("test.locked", {"resources": list(resources)}, **options)
+    return enqueueing.enqueue("test.locked", {"resources": list(resources)}, **options)
 
 
 def blocked_by(job) -> str | None:
@@ -35,7 +35,7 @@ def blocked_by(job) -> str | None:
 def test_a_blocked_job_is_claimed_as_soon_as_its_lock_frees():
     holder = locked("source:a")
     first, second = locked("source:a"), locked("source:a")
-    free = engine.enqueue("test.noop")
+    free = enqueueing.enqueue("test.noop")
     held = claim_one("w1")
     assert held.id == holder.pk
     assert claim_one("w2").id == free.pk  # walks past the two blocked jobs
@@ -108,7 +108,7 @@ def test_cancel_and_requeue_keep_blocked_jobs_right():
     waiter = locked("r")
     held = claim_one("w1")
     assert engine.claim("w2") is None and blocked_by(waiter) == "r"
-    engine.cancel(waiter.pk, actor="op")
+    operations.cancel(waiter.pk, actor="op")
     assert Job.objects.get(pk=waiter.pk).state == State.CANCELLED
     engine.complete(held)
     assert engine.claim("w2") is None

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from jobs import Cancelled, StateConflict, engine
+from jobs import Cancelled, StateConflict, engine, enqueueing, operations
 from jobs.context import JobContext
 from jobs.events import events, one_event
 from jobs.models import Job, Lease, Outcome, State
@@ -36,15 +36,15 @@ def effect(ctx: JobContext, label: str) -> None:
 
 def request_cancel(claimed: Claimed, ctx: JobContext) -> None:
     """Cancel a running job and let its worker hear it, as its lease keeper would."""
-    assert engine.cancel(claimed.id, actor="tester").state == State.RUNNING
+    assert operations.cancel(claimed.id, actor="tester").state == State.RUNNING
     assert not ctx.cancel_requested  # nothing reaches the handler until the worker hears
     ctx.heartbeat()
     assert ctx.cancel_requested
 
 
 def test_a_queued_job_is_cancelled_at_once_and_never_claimed() -> None:
-    job = engine.enqueue("test.locked", {"resources": ["r1"]})
-    cancelled = engine.cancel(job.pk, actor="tester")
+    job = enqueueing.enqueue("test.locked", {"resources": ["r1"]})
+    cancelled = operations.cancel(job.pk, actor="tester")
     assert cancelled.state == State.CANCELLED
     assert cancelled.finished_at is not None and cancelled.cancel_requested
     assert event_log(job.pk) == [("cancelled", None, {"by": "tester"})]
@@ -53,12 +53,12 @@ def test_a_queued_job_is_cancelled_at_once_and_never_claimed() -> None:
     assert not Lease.objects.filter(job_id=job.pk).exists()
     assert not engine.held_locks().exists()
     with pytest.raises(StateConflict):
-        engine.cancel(job.pk)
+        operations.cancel(job.pk)
     assert len(event_log(job.pk)) == 1
 
 
 def test_a_cancel_just_after_the_claim_stops_the_job_at_its_first_safe_point() -> None:
-    engine.enqueue("test.locked", {"resources": ["r2", "r1"]})
+    enqueueing.enqueue("test.locked", {"resources": ["r2", "r1"]})
     claimed = claim_one("w1")
     ctx = JobContext(claimed, "w1")
     assert [lock.resource for lock in engine.held_locks(claimed.id)] == ["r1", "r2"]
@@ -85,12 +85,12 @@ def test_a_cancel_just_after_the_claim_stops_the_job_at_its_first_safe_point() -
     assert one_event(job.pk, "cancel_requested").worker_id == "w1"
     # The cancelled attempt let go of its resources in the same commit.
     assert not engine.held_locks().exists()
-    waiting = engine.enqueue("test.locked", {"resources": ["r1"]})
+    waiting = enqueueing.enqueue("test.locked", {"resources": ["r1"]})
     assert claim_one("w2").id == waiting.pk
 
 
 def test_a_cancel_mid_progress_keeps_committed_progress_and_rolls_back_the_rest() -> None:
-    engine.enqueue("test.cancellable")
+    enqueueing.enqueue("test.cancellable")
     claimed = claim_one("w1")
     ctx = JobContext(claimed, "w1")
     ctx.progress(1, 3, "first step")
@@ -118,7 +118,7 @@ def test_a_cancel_mid_progress_keeps_committed_progress_and_rolls_back_the_rest(
 
 
 def test_a_cancel_after_the_handler_returned_leaves_its_completion_standing() -> None:
-    engine.enqueue("test.echo", {"n": 1})
+    enqueueing.enqueue("test.echo", {"n": 1})
     claimed = claim_one("w1")
     ctx = JobContext(claimed, "w1")
     result = {"n": 1}  # the handler has returned; the worker has yet to settle
@@ -136,18 +136,18 @@ def test_a_cancel_after_the_handler_returned_leaves_its_completion_standing() ->
         {"state": "succeeded", "outcome": "succeeded", "cancel_requested": True},
     )
     with pytest.raises(StateConflict):
-        engine.cancel(job.pk)
+        operations.cancel(job.pk)
 
 
 def test_a_cancel_after_the_completion_committed_is_refused() -> None:
-    engine.enqueue("test.effect")
+    enqueueing.enqueue("test.effect")
     claimed = claim_one("w1")
     ctx = JobContext(claimed, "w1")
     with ctx.atomic(complete=True, result="done"):
         effect(ctx, "complete")
 
     with pytest.raises(StateConflict):
-        engine.cancel(claimed.id)
+        operations.cancel(claimed.id)
     job = Job.objects.get(pk=claimed.id)
     assert (job.state, job.cancel_requested) == (State.SUCCEEDED, False)
     assert [name for name, _, _ in event_log(job.pk)] == ["claimed", "settled"]
@@ -157,9 +157,9 @@ def test_a_cancel_after_the_completion_committed_is_refused() -> None:
 def test_a_cancel_request_outlives_an_attempt_that_died_and_reaches_the_next_one() -> None:
     """The worker died before hearing the request: the job is reclaimed and runs again,
     and the next attempt knows of the request from its claim, then honours it."""
-    engine.enqueue("test.cancellable")
+    enqueueing.enqueue("test.cancellable")
     first = claim_one("w1")
-    assert engine.cancel(first.id).state == State.RUNNING
+    assert operations.cancel(first.id).state == State.RUNNING
     expire_lease(first.id)
     assert engine.reclaim_expired() == [first.id]
     requeued = Job.objects.get(pk=first.id)

@@ -6,7 +6,7 @@ import re
 import pytest
 from django.db import connection
 
-from jobs import engine
+from jobs import enqueueing
 from jobs.models import Job, State
 from jobs.sql import PG_RECLAIM, pg_claim
 
@@ -35,9 +35,9 @@ SHAPES = [
 @pytest.mark.parametrize("lanes,limits,kinds", SHAPES)
 def test_claim_reads_only_runnable_rows_in_claim_order(lanes, limits, kinds):
     """With 20,000 finished jobs and a backlog, claim walks a partial index in order."""
-    finished = engine.enqueue_many("test.noop", [{} for _ in range(20_000)])
+    finished = enqueueing.enqueue_many("test.noop", [{} for _ in range(20_000)])
     Job.objects.filter(pk__in=[job.pk for job in finished]).update(state=State.SUCCEEDED)
-    engine.enqueue_many("test.noop", [{} for _ in range(3_000)])
+    enqueueing.enqueue_many("test.noop", [{} for _ in range(3_000)])
     plan = explain(lanes, limits, kinds)
     assert "job_runnable_idx" in plan, plan
     walk = plan.split("CTE claimed")[0]
@@ -67,7 +67,7 @@ def test_reclaim_reads_only_running_rows():
     """With 20,000 finished jobs, 3,000 running ones (one expired) and a backlog, reclaim
     reads the running rows through the (state, lane, kind) index, never the table (no
     index of its own on lease_expires_at: heartbeats stay HOT updates)."""
-    jobs = engine.enqueue_many("test.noop", [{} for _ in range(26_000)])
+    jobs = enqueueing.enqueue_many("test.noop", [{} for _ in range(26_000)])
     ids = [job.pk for job in jobs]
     Job.objects.filter(pk__in=ids[:20_000]).update(state=State.SUCCEEDED)
     with connection.cursor() as cursor:

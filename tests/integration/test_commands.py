@@ -2,7 +2,7 @@
 
 import pytest
 
-from jobs import engine
+from jobs import engine, enqueueing
 from jobs.models import Job, State
 
 from .helpers import claim_one, exit_code, failure, run, run_json
@@ -20,7 +20,7 @@ LEASE_FIELDS = {
 
 
 def make_dead_job() -> Job:
-    job = engine.enqueue("test.fail")
+    job = enqueueing.enqueue("test.fail")
     for _ in range(3):
         engine.fail(claim_one(), failure("no disk"), backoff_seconds=0)
     return Job.objects.get(pk=job.pk)
@@ -69,7 +69,7 @@ def test_show_job_lists_every_attempt_with_its_error():
 
 def test_list_jobs_filters():
     dead = make_dead_job()
-    engine.enqueue("test.echo")
+    enqueueing.enqueue("test.echo")
     data = run_json("list_jobs", "--state", "dead")
     assert data["count"] == 1 and data["jobs"][0]["id"] == dead.pk
     assert run_json("list_jobs", "--kind", "test.echo")["count"] == 1
@@ -93,15 +93,15 @@ def test_requeue_dead_dry_run_then_for_real():
 
 
 def test_requeue_of_a_job_that_is_not_dead_exits_1():
-    job = engine.enqueue("test.echo")
+    job = enqueueing.enqueue("test.echo")
     assert exit_code("requeue_dead", str(job.pk)) == 1
 
 
 def test_queue_status_counts_lanes_states_and_leases():
     make_dead_job()
-    engine.enqueue("test.echo")
-    engine.enqueue("test.echo", delay=3600)
-    engine.enqueue("test.noop")
+    enqueueing.enqueue("test.echo")
+    enqueueing.enqueue("test.echo", delay=3600)
+    enqueueing.enqueue("test.noop")
     claim_one("w-status")
     data = run_json("queue_status")
     assert data["totals"]["dead"] == 1 and data["dead"] == 1

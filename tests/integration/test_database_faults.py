@@ -11,7 +11,7 @@ import psycopg
 import pytest
 from django.db import connection
 
-from jobs import engine, sql
+from jobs import engine, enqueueing, sql
 from jobs.models import Job, Lease, State
 from tests.conftest import database_url
 
@@ -48,8 +48,8 @@ def refuse_claims_of(transactional_db: None) -> Iterator[object]:
 
 
 def test_an_error_in_the_claim_half_keeps_the_settle(refuse_claims_of) -> None:
-    finished = engine.enqueue("test.echo", {"n": 1}, priority=1)
-    following = engine.enqueue("test.echo", {"n": 2})
+    finished = enqueueing.enqueue("test.echo", {"n": 1}, priority=1)
+    following = enqueueing.enqueue("test.echo", {"n": 2})
     job = claim_one("w1")
     assert job.id == finished.pk
     refuse_claims_of(following.pk, 1)
@@ -67,8 +67,8 @@ def test_an_error_in_the_claim_half_keeps_the_settle(refuse_claims_of) -> None:
 
 
 def test_a_worker_whose_claims_are_refused_settles_and_goes_on(refuse_claims_of, run_worker):
-    finished = engine.enqueue("test.echo", {"n": 1}, priority=1)
-    following = engine.enqueue("test.echo", {"n": 2})
+    finished = enqueueing.enqueue("test.echo", {"n": 1}, priority=1)
+    following = enqueueing.enqueue("test.echo", {"n": 2})
     refuse_claims_of(following.pk, 2)  # the fused claim, then the worker's next claim
 
     assert run_worker(worker_id="w1") == 2
@@ -97,7 +97,7 @@ def test_a_prepared_statement_a_migration_invalidated_is_prepared_again(
     restore_kind_column: None, settings
 ) -> None:
     settings.HOLDFAST_PREPARED_STATEMENTS = True
-    jobs = [engine.enqueue("test.echo", {"n": n}, priority=-n) for n in range(3)]
+    jobs = [enqueueing.enqueue("test.echo", {"n": n}, priority=-n) for n in range(3)]
     job = claim_one("w1")
     job = engine.settle_and_claim(job, engine.succeeded(), "w1", None)  # prepares the fused one
     assert job is not None and job.id == jobs[1].pk
@@ -113,7 +113,7 @@ def test_a_prepared_statement_a_migration_invalidated_is_prepared_again(
 def test_with_prepared_statements_off_nothing_is_prepared(transactional_db, settings) -> None:
     settings.HOLDFAST_PREPARED_STATEMENTS = False
     connection.close()  # a fresh session: nothing prepared by earlier tests
-    engine.enqueue("test.echo", {"n": 1})
+    enqueueing.enqueue("test.echo", {"n": 1})
     engine.settle_and_claim(claim_one("w1"), engine.succeeded(), "w1", None)
     with connection.cursor() as cursor:
         cursor.execute("SELECT count(*) FROM pg_prepared_statements")
@@ -147,7 +147,7 @@ def test_database_faults_are_told_from_errors_of_the_data(transactional_db: None
 
 @pytest.mark.django_db
 def test_a_handler_that_meets_a_database_fault_gives_its_job_back_uncharged() -> None:
-    job = engine.enqueue("test.echo", {"n": 1})
+    job = enqueueing.enqueue("test.echo", {"n": 1})
     claimed = claim_one("w1")
     verdict = engine.interrupted(claimed, failure("server closed the connection"), 0.0)
     engine.settle(claimed, verdict)

@@ -17,7 +17,7 @@ from ingestion import discovery
 from ingestion.discovery import ListingError, normalize_lastmod, parse_listing, start_discovery
 from ingestion.models import Artifact, DiscoveryPage, DiscoveryRun, ReconciliationIssue, Source
 from ingestion.sources import DISCOVER_KIND, add_source
-from jobs import engine, scheduler
+from jobs import engine, enqueueing, scheduler
 from jobs.models import Job, State
 from jobs.registry import autodiscover
 
@@ -341,10 +341,10 @@ def test_a_scheduled_discovery_leaves_a_run_in_progress_alone(site, hooks, run_w
     )
     source = Source.objects.get(name="docs")
     run = make_run(source, [site.url("/sitemaps/1.xml")])
-    continuation = engine.enqueue(
+    continuation = enqueueing.enqueue(
         DISCOVER_KIND, {"source": "docs", "run": run.pk}, unique_key="continuation", delay=3600
     )
-    scheduled = engine.enqueue(DISCOVER_KIND, {"source": "docs"})
+    scheduled = enqueueing.enqueue(DISCOVER_KIND, {"source": "docs"})
     run_worker()
     scheduled.refresh_from_db()
     assert scheduled.state == State.SUCCEEDED
@@ -363,7 +363,7 @@ def test_a_disabled_source_stops_discovering_between_jobs(site, hooks, run_worke
     )
     source = Source.objects.get(name="docs")
     run = make_run(source, [site.url("/sitemaps/1.xml")])
-    continuation = engine.enqueue(DISCOVER_KIND, {"source": "docs", "run": run.pk})
+    continuation = enqueueing.enqueue(DISCOVER_KIND, {"source": "docs", "run": run.pk})
     Source.objects.filter(pk=source.pk).update(enabled=False)
     run_worker()
     continuation.refresh_from_db()

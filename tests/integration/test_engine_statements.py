@@ -11,7 +11,7 @@ import pytest
 from django.db import OperationalError, connection, transaction
 from django.utils import timezone
 
-from jobs import LeaseLost, StateConflict, engine
+from jobs import LeaseLost, StateConflict, engine, enqueueing, operations, workers
 from jobs.context import JobContext
 from jobs.events import events
 from jobs.models import Job, Lease, Outcome, State
@@ -32,7 +32,7 @@ def settings_now() -> tuple[str, str, str]:
 @pytest.mark.parametrize("own_connection", [False, True], ids=["bare", "own-connection"])
 @pytest.mark.django_db(transaction=True)
 def test_a_heartbeat_inside_ctx_atomic_leaves_the_transactions_settings_alone(own_connection):
-    engine.enqueue("test.echo")
+    enqueueing.enqueue("test.echo")
     claimed = claim_one()
     ctx = JobContext(claimed, "w1", own_connection=own_connection)
     before = settings_now()
@@ -51,7 +51,7 @@ def test_after_an_outage_a_worker_gives_back_a_claim_it_never_heard_of(run_worke
     """The claim committed but its acknowledgement was lost with the connection: the job
     is leased to this worker, which never ran it. Reconnected, the worker releases it
     (uncharged) before claiming again, then runs it as attempt 1."""
-    job = engine.enqueue("test.echo")
+    job = enqueueing.enqueue("test.echo")
     real_claim = engine.claim
     lost: list[object] = []
 
@@ -76,7 +76,7 @@ def test_cancel_answers_within_seconds_though_a_frozen_transaction_holds_the_job
     """A worker froze between its fence and its commit (PostgreSQL: it holds the job row;
     SQLite: the database's write lock): cancel_job waits a bounded time, then says the
     job is busy and changes nothing."""
-    engine.enqueue("test.echo")
+    enqueueing.enqueue("test.echo")
     claimed = claim_one()
     holding, release = threading.Event(), threading.Event()
 
@@ -95,23 +95,23 @@ def test_cancel_answers_within_seconds_though_a_frozen_transaction_holds_the_job
         assert holding.wait(5)
         started = time.monotonic()
         with pytest.raises(StateConflict, match="locked by an open transaction"):
-            engine.cancel(claimed.id)
+            operations.cancel(claimed.id)
         assert time.monotonic() - started < 5
     finally:
         release.set()
         holder.join()
     job = Job.objects.get(pk=claimed.id)
     assert (job.state, job.cancel_requested) == (State.RUNNING, False)
-    assert engine.cancel(claimed.id).cancel_requested  # once the holder is gone
+    assert operations.cancel(claimed.id).cancel_requested  # once the holder is gone
 
 
 @pytest.mark.django_db
 def test_cancel_of_a_running_job_whose_lease_expired_ends_it_at_once():
     """Its worker died or froze: the cancel ends that attempt as a reclaim would."""
-    engine.enqueue("test.locked", {"resources": ["r"]})
+    enqueueing.enqueue("test.locked", {"resources": ["r"]})
     claimed = claim_one()
     expire_lease(claimed.id)
-    job = engine.cancel(claimed.id, actor="tester")
+    job = operations.cancel(claimed.id, actor="tester")
     assert (job.state, job.cancel_requested) == (State.CANCELLED, True)
     assert job.last_error == "cancelled by tester after its worker stopped renewing lease 1"
     assert Lease.objects.get(job=job).outcome == Outcome.LEASE_EXPIRED
@@ -126,13 +126,13 @@ def test_a_restarted_worker_leaves_its_previous_incarnations_job_to_reclaim():
     """Same worker id (a systemd unit restarted after its process died): the job the dead
     process held is not this process's claim, so it is not given back uncharged; its
     lease expires and reclaim charges it (a job that kills its worker still goes dead)."""
-    engine.enqueue("test.echo")
+    enqueueing.enqueue("test.echo")
     earlier = claim_one("host-1")
     Job.objects.filter(pk=earlier.id).update(started_at=timezone.now() - timedelta(minutes=1))
-    engine.register_worker("host-1", None, ["test.echo"])  # the restarted process
+    workers.register_worker("host-1", None, ["test.echo"])  # the restarted process
     assert engine.release_orphans("host-1") == []
     assert Job.objects.get(pk=earlier.id).state == State.RUNNING
-    engine.enqueue("test.echo")
+    enqueueing.enqueue("test.echo")
     mine = claim_one("host-1")
     assert engine.release_orphans("host-1", keep=None) == [mine.id]
 
@@ -141,15 +141,15 @@ def test_a_restarted_worker_leaves_its_previous_incarnations_job_to_reclaim():
 def test_cancel_inside_a_callers_transaction_leaves_its_lock_wait_alone():
     """``cancel_job`` bounds its own lock waits; called from inside a transaction (a
     handler cancelling another job), the rest of that transaction keeps its own."""
-    queued = engine.enqueue("test.echo")
+    queued = enqueueing.enqueue("test.echo")
     with transaction.atomic():
         before = lock_wait_now()
-        assert engine.cancel(queued.pk).state == State.CANCELLED
+        assert operations.cancel(queued.pk).state == State.CANCELLED
         assert lock_wait_now() == before
     with transaction.atomic():
         before = lock_wait_now()
         with pytest.raises(StateConflict):
-            engine.cancel(queued.pk)  # finished: refused, rolled back to its savepoint
+            operations.cancel(queued.pk)  # finished: refused, rolled back to its savepoint
         assert lock_wait_now() == before
 
 

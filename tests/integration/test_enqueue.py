@@ -8,7 +8,7 @@ from django.test import override_settings
 from django.utils import timezone
 
 from jobs import InvalidJob, LaneFull, LaneRefused, UnknownKind
-from jobs.engine import enqueue, enqueue_many
+from jobs.enqueueing import enqueue, enqueue_many
 from jobs.models import Job, State
 
 pytestmark = pytest.mark.django_db

@@ -9,7 +9,7 @@ import pytest
 from django.db import connection, transaction
 
 from jobs import InvalidJob, sql
-from jobs.engine import _wake_up, enqueue, enqueue_many
+from jobs.enqueueing import _wake_up, enqueue, enqueue_many
 from jobs.models import Job, State
 from tests.conftest import database_url
 

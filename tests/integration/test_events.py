@@ -5,7 +5,7 @@ from datetime import timedelta
 import pytest
 from django.db import transaction
 
-from jobs import LeaseLost, engine
+from jobs import LeaseLost, engine, enqueueing, operations
 from jobs.context import JobContext
 from jobs.events import events, one_event
 from jobs.models import Job, JobEvent
@@ -20,7 +20,7 @@ def log_of(job_id: int) -> list[tuple[str, int | None]]:
 
 
 def test_claim_and_settle_write_their_events_with_token_and_worker():
-    job = engine.enqueue("test.echo")
+    job = enqueueing.enqueue("test.echo")
     claimed = claim_one("worker-a")
     engine.complete(claimed, result={"ok": True})
     logged = events(job.pk)
@@ -37,10 +37,10 @@ def test_claim_and_settle_write_their_events_with_token_and_worker():
 
 
 def test_retry_dead_requeue_and_release_each_leave_an_event():
-    job = engine.enqueue("test.fail")
+    job = enqueueing.enqueue("test.fail")
     engine.fail(claim_one(), failure(), backoff_seconds=0)
     engine.fail(claim_one(), failure(permanent=True), backoff_seconds=0)
-    engine.requeue_one(job.pk)
+    operations.requeue_one(job.pk)
     engine.release(claim_one())
     assert log_of(job.pk) == [
         ("claimed", 1),
@@ -56,7 +56,7 @@ def test_retry_dead_requeue_and_release_each_leave_an_event():
 
 
 def test_reclaim_records_the_missed_heartbeat_and_the_reclaim():
-    job = engine.enqueue("test.echo")
+    job = enqueueing.enqueue("test.echo")
     claim_one("gone-worker")
     expire_lease(job.pk)
     engine.reclaim_expired()
@@ -71,12 +71,12 @@ def test_reclaim_records_the_missed_heartbeat_and_the_reclaim():
 
 
 def test_cancel_of_a_queued_and_of_a_running_job():
-    queued = engine.enqueue("test.echo")
-    engine.cancel(queued.pk)
+    queued = enqueueing.enqueue("test.echo")
+    operations.cancel(queued.pk)
     assert log_of(queued.pk) == [("cancelled", None)]
-    running = engine.enqueue("test.echo")
+    running = enqueueing.enqueue("test.echo")
     claimed = claim_one("w1")
-    engine.cancel(running.pk, actor="ops")
+    operations.cancel(running.pk, actor="ops")
     engine.cancelled(claimed)
     logged = events(running.pk)
     assert [e.event for e in logged] == ["claimed", "cancel_requested", "settled"]
@@ -85,16 +85,16 @@ def test_cancel_of_a_queued_and_of_a_running_job():
 
 
 def test_a_cancel_the_handler_ignored_is_recorded_as_not_honoured():
-    job = engine.enqueue("test.echo")
+    job = enqueueing.enqueue("test.echo")
     claimed = claim_one()
-    engine.cancel(job.pk)
+    operations.cancel(job.pk)
     engine.complete(claimed)  # the handler finished anyway
     settled = one_event(job.pk, "settled")
     assert settled.data == {"state": "succeeded", "outcome": "succeeded", "cancel_requested": True}
 
 
 def test_progress_is_an_event_and_a_stale_progress_writes_none():
-    job = engine.enqueue("test.echo")
+    job = enqueueing.enqueue("test.echo")
     stale = claim_one()
     JobContext(stale, "w1").progress(1, 3, "first page")
     expire_lease(job.pk)
@@ -106,7 +106,7 @@ def test_progress_is_an_event_and_a_stale_progress_writes_none():
 
 
 def test_a_lost_settle_writes_no_event():
-    job = engine.enqueue("test.echo")
+    job = enqueueing.enqueue("test.echo")
     stale = claim_one()
     expire_lease(job.pk)
     engine.reclaim_expired()
@@ -116,7 +116,7 @@ def test_a_lost_settle_writes_no_event():
 
 
 def test_a_rolled_back_change_leaves_no_event():
-    job = engine.enqueue("test.echo")
+    job = enqueueing.enqueue("test.echo")
     claimed = claim_one()
     with pytest.raises(RuntimeError), transaction.atomic():
         engine.complete(claimed)
@@ -125,7 +125,7 @@ def test_a_rolled_back_change_leaves_no_event():
 
 
 def test_show_job_prints_the_event_log():
-    job = engine.enqueue("test.echo")
+    job = enqueueing.enqueue("test.echo")
     engine.complete(claim_one("w9"))
     shown = run_json("show_job", str(job.pk))
     assert [e["event"] for e in shown["events"]] == ["claimed", "settled"]
@@ -135,10 +135,10 @@ def test_show_job_prints_the_event_log():
 
 
 def test_pruning_a_job_deletes_its_events():
-    job = engine.enqueue("test.echo")
+    job = enqueueing.enqueue("test.echo")
     engine.complete(claim_one())
     Job.objects.filter(pk=job.pk).update(finished_at=engine.db_now() - timedelta(days=30))
-    assert engine.prune(timedelta(days=7)) == 1
+    assert operations.prune(timedelta(days=7)) == 1
     assert not JobEvent.objects.filter(job_id=job.pk).exists()
     assert events(job.pk) == []
 
@@ -146,7 +146,7 @@ def test_pruning_a_job_deletes_its_events():
 def test_an_attempt_is_logged_by_its_lease_row_alone():
     """The claimed and settled events are read from the lease row the claim and the settle
     write anyway (two row writes fewer per job), and still carry all they did."""
-    job = engine.enqueue("test.echo")
+    job = enqueueing.enqueue("test.echo")
     claimed = claim_one("w3")
     assert log_of(job.pk) == [("claimed", 1)]
     engine.complete(claimed, result=None)
@@ -161,9 +161,9 @@ def test_an_attempt_is_logged_by_its_lease_row_alone():
 
 
 def test_events_stored_by_an_older_worker_are_shown_once():
-    """Workers before 0.3 inserted claimed and settled rows (and left the lease's
+    """Workers of 0.1 inserted claimed and settled rows (and left the lease's
     settled_state empty): during an upgrade both kinds of attempts are in one log."""
-    job = engine.enqueue("test.flaky")
+    job = enqueueing.enqueue("test.flaky")
     old = claim_one("old")
     JobEvent.objects.create(job_id=job.pk, event="claimed", lease_token=1, worker_id="old")
     engine.fail(old, failure(), backoff_seconds=0)
@@ -178,9 +178,9 @@ def test_events_stored_by_an_older_worker_are_shown_once():
 
 
 def test_an_event_between_attempts_stays_between_them():
-    job = engine.enqueue("test.noop", max_attempts=1)
+    job = enqueueing.enqueue("test.noop", max_attempts=1)
     engine.fail(claim_one(), failure(permanent=True), backoff_seconds=0)
-    assert engine.requeue_dead([Job.objects.get(pk=job.pk)], actor="ops") == [job.pk]
+    assert operations.requeue_dead([Job.objects.get(pk=job.pk)], actor="ops") == [job.pk]
     engine.complete(claim_one(), result=None)
     assert [name for name, _ in log_of(job.pk)] == [
         "claimed",

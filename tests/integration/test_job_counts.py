@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
-from jobs import counts, engine
+from jobs import counts, engine, enqueueing, operations
 from jobs.models import Job, JobCount, OutcomeCount, State
 from jobs.sql import Claimed
 from jobs.status import queue_status
@@ -81,34 +81,34 @@ def finish_old(state: str) -> None:
 def test_a_known_mix_is_counted_exactly(settings) -> None:
     settings.HOLDFAST_LANES = LANES
     for lane in ("default", "media"):
-        engine.enqueue("test.echo", lane=lane)
+        enqueueing.enqueue("test.echo", lane=lane)
         engine.complete(claim_one(lanes=[lane]))  # succeeded
-    engine.enqueue("test.flaky", {"fail_times": 1})
+    enqueueing.enqueue("test.flaky", {"fail_times": 1})
     engine.fail(claim_one(), failure(), backoff_seconds=0)  # retried: still queued
     engine.complete(claim_one())  # then succeeded
-    engine.enqueue("test.fail", lane="media")
+    enqueueing.enqueue("test.fail", lane="media")
     engine.fail(claim_one(), failure(permanent=True), backoff_seconds=0)  # dead
-    spent = engine.enqueue("test.noop", max_attempts=1, lane="media")
+    spent = enqueueing.enqueue("test.noop", max_attempts=1, lane="media")
     expire_lease(claim_one().id)
     assert engine.reclaim_expired() == [spent.pk]  # dead by reclaim
-    queued = engine.enqueue("test.noop")
-    engine.cancel(queued.pk)  # cancelled while queued
-    engine.enqueue("test.noop", lane="media")
+    queued = enqueueing.enqueue("test.noop")
+    operations.cancel(queued.pk)  # cancelled while queued
+    enqueueing.enqueue("test.noop", lane="media")
     running = claim_one()
-    engine.cancel(running.id)
+    operations.cancel(running.id)
     engine.cancelled(running)  # cancelled on request
-    old_dead = engine.enqueue("test.fail")
+    old_dead = enqueueing.enqueue("test.fail")
     engine.fail(claim_one(), failure(permanent=True), backoff_seconds=0)
     finish_old(State.SUCCEEDED)
     Job.objects.filter(pk=old_dead.pk).update(finished_at=engine.db_now() - 2 * WEEK)
-    engine.enqueue("test.echo")
+    enqueueing.enqueue("test.echo")
     engine.complete(claim_one())  # a fresh success the prune keeps
-    assert engine.prune(WEEK, include_dead=True) == 4  # three old successes, one old death
-    again = engine.enqueue("test.fail")
+    assert operations.prune(WEEK, include_dead=True) == 4  # three old successes, one old death
+    again = enqueueing.enqueue("test.fail")
     engine.fail(claim_one(), failure(permanent=True), backoff_seconds=0)
-    assert engine.requeue_dead(list(engine.dead_jobs([again.pk]))) == [again.pk]  # requeued
-    engine.enqueue("test.echo", delay=3600)  # delayed: queued
-    engine.enqueue("test.noop")
+    assert operations.requeue_dead(list(operations.dead_jobs([again.pk]))) == [again.pk]  # requeued
+    enqueueing.enqueue("test.echo", delay=3600)  # delayed: queued
+    enqueueing.enqueue("test.noop")
     claim_one()  # running
 
     truth = rows()
@@ -170,26 +170,26 @@ def apply(step: str, lane: str) -> None:
     Jobs in lane ``media`` have one attempt, so a reclaim sends them straight to dead."""
     attempts = 1 if lane == "media" else 2
     if step == "enqueue":
-        engine.enqueue("test.noop", lane=lane, max_attempts=attempts)
+        enqueueing.enqueue("test.noop", lane=lane, max_attempts=attempts)
     elif step == "cancel_queued":
         if job := Job.objects.filter(lane=lane, state=State.QUEUED).first():
-            engine.cancel(job.pk)
+            operations.cancel(job.pk)
     elif step == "reclaim":
         Job.objects.filter(state=State.RUNNING, lane=lane).update(
             lease_expires_at=engine.db_now() - timedelta(minutes=5)
         )
         engine.reclaim_expired()
     elif step == "requeue":
-        engine.requeue_dead(list(engine.dead_jobs(lane=lane)))
+        operations.requeue_dead(list(operations.dead_jobs(lane=lane)))
     elif step in ("prune", "prune_dead"):
         Job.objects.filter(lane=lane, finished_at__isnull=False).update(
             finished_at=engine.db_now() - 2 * WEEK
         )
-        engine.prune(WEEK, include_dead=step == "prune_dead", batch=2)
+        operations.prune(WEEK, include_dead=step == "prune_dead", batch=2)
     else:
         job = engine.claim("w1", [lane])
         if job is None:
-            engine.enqueue("test.noop", lane=lane, max_attempts=attempts)
+            enqueueing.enqueue("test.noop", lane=lane, max_attempts=attempts)
             job = claim_one(lanes=[lane])
         settle(step, job, lane)
 
@@ -204,7 +204,7 @@ def settle(step: str, job: Claimed, lane: str) -> None:
     elif step == "release":
         engine.release(job)
     elif step == "cancel_running":
-        engine.cancel(job.id)
+        operations.cancel(job.id)
         engine.cancelled(job)
     elif step == "settle_and_claim":
         engine.settle_and_claim(job, engine.succeeded(), "w1", [lane])
@@ -213,7 +213,7 @@ def settle(step: str, job: Claimed, lane: str) -> None:
 
 def test_recount_rebuilds_counts_put_apart_around_the_engine() -> None:
     for _ in range(3):
-        engine.enqueue("test.echo")
+        enqueueing.enqueue("test.echo")
         engine.complete(claim_one())
     Job.objects.filter(state=State.SUCCEEDED).update(state=State.DEAD)  # SQL by hand
     assert counts.by_lane() != rows()
@@ -228,9 +228,9 @@ def test_recount_rebuilds_counts_put_apart_around_the_engine() -> None:
 
 def test_the_migration_counts_the_jobs_already_there() -> None:
     for _ in range(2):
-        engine.enqueue("test.echo")
+        enqueueing.enqueue("test.echo")
         engine.complete(claim_one())
-    engine.enqueue("test.noop")
+    enqueueing.enqueue("test.noop")
     engine.fail(claim_one(), failure(permanent=True), backoff_seconds=0)
     JobCount.objects.all().delete()  # as before the migration (and before 0007's table)
     OutcomeCount.objects.all().delete()
@@ -245,9 +245,9 @@ def test_neither_queue_status_nor_a_scrape_scans_the_jobs_table() -> None:
     """Every query the two make on jobs_job goes through an index that skips the finished
     rows (the planner is told to avoid sequential scans, as it would on a big table)."""
     for _ in range(3):
-        engine.enqueue("test.echo")
+        enqueueing.enqueue("test.echo")
         engine.complete(claim_one())
-    engine.enqueue("test.echo", delay=60)
+    enqueueing.enqueue("test.echo", delay=60)
     with CaptureQueriesContext(connection) as captured:
         queue_status()
         scraped()

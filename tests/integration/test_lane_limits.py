@@ -7,7 +7,7 @@ import pytest
 from django.db import connection, transaction
 from django.test import override_settings
 
-from jobs import engine
+from jobs import engine, enqueueing
 from jobs.models import Job, State
 
 from .helpers import claim_one
@@ -19,8 +19,8 @@ pytestmark = pytest.mark.django_db
 
 @override_settings(HOLDFAST_LANES=LANES)
 def test_a_full_lane_is_skipped_until_one_of_its_jobs_settles():
-    engine.enqueue_many("test.echo", [{"n": i} for i in range(5)])
-    other = engine.enqueue("test.noop")
+    enqueueing.enqueue_many("test.echo", [{"n": i} for i in range(5)])
+    other = enqueueing.enqueue("test.noop")
     first, second = claim_one("a", ["limited"]), claim_one("b", ["limited"])
     assert engine.claim("c", ["limited"]) is None  # two running: the lane is full
     assert engine.claim("c").id == other.pk  # other lanes still run
@@ -38,7 +38,7 @@ def test_a_full_lane_is_skipped_until_one_of_its_jobs_settles():
 
 @override_settings(HOLDFAST_LANES=LANES)
 def test_the_limit_holds_for_a_worker_serving_every_lane():
-    engine.enqueue_many("test.echo", [{} for _ in range(4)])
+    enqueueing.enqueue_many("test.echo", [{} for _ in range(4)])
     assert claim_one("w").lane == "limited"
     assert claim_one("w").lane == "limited"
     assert engine.claim("w") is None
@@ -48,7 +48,7 @@ def test_the_limit_holds_for_a_worker_serving_every_lane():
 @pytest.mark.django_db(transaction=True)
 @override_settings(HOLDFAST_LANES=LANES)
 def test_concurrent_claimers_never_exceed_the_limit():
-    engine.enqueue_many("test.echo", [{} for _ in range(20)])
+    enqueueing.enqueue_many("test.echo", [{} for _ in range(20)])
     claimed: list[int] = []
     lock = threading.Lock()
     start = threading.Barrier(8)
@@ -81,8 +81,8 @@ def test_an_unlimited_lane_claim_never_waits_on_a_limited_lane():
     """A claim of a limited lane's job holds that lane's slot until it commits; a worker
     serving every lane meanwhile claims the default lane's job without waiting (no lane
     lock), and the limited lane's next job is not claimed past the limit."""
-    engine.enqueue_many("test.echo", [{"n": i} for i in range(3)])
-    other = engine.enqueue("test.noop", priority=5)
+    enqueueing.enqueue_many("test.echo", [{"n": i} for i in range(3)])
+    other = enqueueing.enqueue("test.noop", priority=5)
     holding, done = threading.Event(), threading.Event()
     held: list[int] = []
 

@@ -6,7 +6,7 @@ import psycopg
 import pytest
 from django.db import IntegrityError, connection
 
-from jobs import InvalidJob, engine, sql
+from jobs import InvalidJob, engine, enqueueing, sql
 from jobs.context import JobContext
 from jobs.models import Job, JobLock, State
 
@@ -16,7 +16,7 @@ pytestmark = pytest.mark.django_db
 
 
 def locked(*resources: str, **options):
-    return engine.enqueue("test.locked", {"resources": list(resources)}, **options)
+    return enqueueing.enqueue("test.locked", {"resources": list(resources)}, **options)
 
 
 def held() -> dict[str, int]:
@@ -27,11 +27,11 @@ def test_enqueue_stores_the_locks_sorted_and_once():
     job = locked("b", "a", "b")
     assert job.locks == ["a", "b"]
     assert Job.objects.get(pk=job.pk).locks == ["a", "b"]
-    assert engine.enqueue("test.echo").locks == []  # a handler without locks
+    assert enqueueing.enqueue("test.echo").locks == []  # a handler without locks
 
 
 def test_enqueue_many_stores_each_jobs_own_locks():
-    jobs = engine.enqueue_many("test.locked", [{"resources": ["x"]}, {"resources": ["y", "x"]}])
+    jobs = enqueueing.enqueue_many("test.locked", [{"resources": ["x"]}, {"resources": ["y", "x"]}])
     assert [job.locks for job in jobs] == [["x"], ["x", "y"]]
     assert [Job.objects.get(pk=job.pk).locks for job in jobs] == [["x"], ["x", "y"]]
 
@@ -51,7 +51,7 @@ def test_enqueue_many_stores_each_jobs_own_locks():
 )
 def test_locks_that_cannot_be_derived_are_bad_input(args):
     with pytest.raises(InvalidJob, match="lock"):
-        engine.enqueue("test.locked", args)
+        enqueueing.enqueue("test.locked", args)
     assert not Job.objects.exists()
 
 
@@ -198,8 +198,8 @@ def test_a_claim_that_loses_a_lock_race_rolls_back_and_claims_again():
 def test_endless_lost_lock_races_never_fail_the_job_being_settled(monkeypatch):
     """The races belong to the next claim: the finished job still settles, nothing is
     claimed this time, and a plain claim gives up quietly instead of raising."""
-    job = engine.enqueue("test.echo")
-    engine.enqueue("test.echo")
+    job = enqueueing.enqueue("test.echo")
+    enqueueing.enqueue("test.echo")
     claimed = claim_one()
     real = sql._settle_and_claim_limited
 

@@ -16,7 +16,7 @@ from django.test import Client
 from django.utils import timezone
 from prometheus_client.parser import text_string_to_metric_families
 
-from jobs import engine
+from jobs import engine, enqueueing, operations
 from jobs.models import Job, OutcomeCount, State, Worker
 from ops import metrics, tokens
 
@@ -56,23 +56,23 @@ def known_mix() -> None:
     """2 succeeded echo jobs, 1 dead fail job (3 failed attempts), 1 job retried once, one
     reclaimed attempt, 1 runnable and 1 delayed queued job, 1 running job."""
     for _ in range(2):
-        engine.enqueue("test.echo")
+        enqueueing.enqueue("test.echo")
         engine.complete(claim_one(), {"ok": True})
-    engine.enqueue("test.fail")
+    enqueueing.enqueue("test.fail")
     for _ in range(3):
         engine.fail(claim_one(), failure(), backoff_seconds=0)
-    engine.enqueue("test.flaky", {"fail_times": 1})
+    enqueueing.enqueue("test.flaky", {"fail_times": 1})
     engine.fail(claim_one(), failure(), backoff_seconds=0)
     engine.complete(claim_one(), None)
-    lost = engine.enqueue("test.noop")
+    lost = enqueueing.enqueue("test.noop")
     expire_lease(claim_one().id)
     assert engine.reclaim_expired() == [lost.pk]
     engine.complete(claim_one(), None)
-    engine.enqueue("test.echo", lane="default")  # runnable
-    engine.enqueue("test.echo", delay=3600)  # delayed: counted as queued
-    engine.enqueue("test.noop")
+    enqueueing.enqueue("test.echo", lane="default")  # runnable
+    enqueueing.enqueue("test.echo", delay=3600)  # delayed: counted as queued
+    enqueueing.enqueue("test.noop")
     claim_one()  # running
-    engine.enqueue("test.echo")  # runnable, behind the claimed one
+    enqueueing.enqueue("test.echo")  # runnable, behind the claimed one
 
 
 def test_a_scrape_matches_the_database(settings, tmp_path: Path, read_token, monkeypatch):
@@ -154,7 +154,7 @@ def test_counters_survive_pruning_and_a_fresh_collector(read_token):
     before = scrape(read_token)["holdfast_job_attempts_total"]
     Job.objects.filter(state=State.RUNNING).update(state=State.SUCCEEDED)  # let it go too
     Job.objects.filter(state=State.SUCCEEDED).update(finished_at=timezone.now())
-    assert engine.prune(timedelta(seconds=-60), include_dead=True) > 0
+    assert operations.prune(timedelta(seconds=-60), include_dead=True) > 0
     assert not Job.objects.exclude(state=State.QUEUED).exists()
     after = scrape(read_token)["holdfast_job_attempts_total"]  # each scrape: a new registry
     assert after == before
@@ -182,7 +182,7 @@ def test_a_scrape_never_reads_the_finished_history():
     from ops.metrics import oldest_runnable
 
     for _ in range(3):
-        engine.enqueue("test.echo")
+        enqueueing.enqueue("test.echo")
         engine.complete(claim_one(), None)
     with connection.cursor() as cursor:
         cursor.execute("SET enable_seqscan = off")

@@ -12,7 +12,7 @@ from django.utils import timezone
 
 from ingestion import reconciliation
 from ingestion.models import ReconciliationIssue
-from jobs import engine, retention
+from jobs import engine, enqueueing, retention
 from jobs.models import Job, JobEvent, Lease, OutcomeCount, State
 from jobs.scheduler import SchedulerLoop
 from ops import tokens
@@ -87,7 +87,7 @@ def test_a_bad_expires_in_is_bad_input(duration):
 
 def finished(state: str, age: timedelta, kind: str = "test.echo") -> Job:
     """A real finished job (claimed and settled), then aged by ``age``."""
-    job = engine.enqueue(kind)
+    job = enqueueing.enqueue(kind)
     claimed = claim_one()
     if state == State.SUCCEEDED:
         engine.complete(claimed, None)
@@ -125,9 +125,9 @@ def test_retention_removes_exactly_what_it_should(settings):
         finished(State.SUCCEEDED, timedelta(days=6)),
         finished(State.CANCELLED, timedelta(hours=12)),
         finished(State.DEAD, timedelta(days=400)),
-        engine.enqueue("test.echo", delay=3600),  # queued
+        enqueueing.enqueue("test.echo", delay=3600),  # queued
     ]
-    engine.enqueue("test.noop")
+    enqueueing.enqueue("test.noop")
     running = claim_one()
     Job.objects.filter(pk=running.id).update(created_at=timezone.now() - timedelta(days=99))
     kept.append(Job.objects.get(pk=running.id))

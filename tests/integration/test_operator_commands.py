@@ -6,7 +6,7 @@ import pytest
 from django.utils import timezone
 
 from ingestion import reconciliation
-from jobs import engine
+from jobs import engine, enqueueing
 from jobs.models import Job, Lease, State
 from ops import tokens
 from ops.models import OpsToken
@@ -20,7 +20,7 @@ pytestmark = pytest.mark.django_db
 
 
 def test_cancel_a_queued_job_at_once():
-    job = engine.enqueue("test.echo")
+    job = enqueueing.enqueue("test.echo")
     data = run_json("cancel_job", str(job.pk))
     assert data["state"] == "cancelled" and data["finished_at"] is not None
     assert engine.claim("w") is None
@@ -28,7 +28,7 @@ def test_cancel_a_queued_job_at_once():
 
 
 def test_cancel_a_running_job_requests_it_and_the_worker_learns_at_its_heartbeat():
-    engine.enqueue("test.echo")
+    enqueueing.enqueue("test.echo")
     claimed = claim_one()
     text = run("cancel_job", str(claimed.id))
     assert "cancellation requested" in text
@@ -42,7 +42,7 @@ def test_cancel_a_running_job_requests_it_and_the_worker_learns_at_its_heartbeat
 
 
 def test_cancel_conflicts_and_bad_input():
-    job = engine.enqueue("test.echo")
+    job = enqueueing.enqueue("test.echo")
     engine.complete(claim_one())
     assert exit_code("cancel_job", str(job.pk)) == 1  # finished: nothing to cancel
     assert exit_code("cancel_job", "999999") == 2
@@ -52,7 +52,7 @@ def test_cancel_conflicts_and_bad_input():
 
 
 def finished_job(state: str, days_ago: float) -> Job:
-    job = engine.enqueue("test.echo")
+    job = enqueueing.enqueue("test.echo")
     claimed = claim_one()
     if state == State.DEAD:
         engine.fail(claimed, failure(permanent=True), 0)
@@ -69,7 +69,7 @@ def test_prune_deletes_old_finished_jobs_with_their_attempts_only():
     old_cancelled = finished_job(State.CANCELLED, 20)
     old_dead = finished_job(State.DEAD, 20)
     recent = finished_job(State.SUCCEEDED, 1)
-    queued = engine.enqueue("test.echo")
+    queued = enqueueing.enqueue("test.echo")
     data = run_json("prune_jobs", "--older-than", "14d")
     assert data == {
         "deleted": 2,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from jobs import context, engine
+from jobs import context, enqueueing
 from jobs.context import JobContext
 from jobs.models import Job, JobEvent
 
@@ -23,7 +23,7 @@ def progress_events(job_id: int) -> list[dict]:
 
 
 def test_a_burst_of_progress_writes_once_then_keeps_the_last_value():
-    job = engine.enqueue("test.echo")
+    job = enqueueing.enqueue("test.echo")
     ctx = JobContext(claim_one(), "w1")
     for done in range(1, 101):
         ctx.progress(done, 100, f"item {done}")
@@ -38,7 +38,7 @@ def test_a_burst_of_progress_writes_once_then_keeps_the_last_value():
 
 def test_the_last_value_commits_with_the_completion(monkeypatch):
     monkeypatch.setattr(context, "PROGRESS_INTERVAL", 3600.0)
-    job = engine.enqueue("test.echo")
+    job = enqueueing.enqueue("test.echo")
     ctx = JobContext(claim_one(), "w1")
     ctx.progress(1, 3)
     ctx.progress(3, 3, "done")
@@ -51,7 +51,7 @@ def test_the_last_value_commits_with_the_completion(monkeypatch):
 
 def test_a_rolled_back_block_keeps_the_pending_value(monkeypatch):
     monkeypatch.setattr(context, "PROGRESS_INTERVAL", 3600.0)
-    job = engine.enqueue("test.echo")
+    job = enqueueing.enqueue("test.echo")
     ctx = JobContext(claim_one(), "w1")
     ctx.progress(1, 2)
     ctx.progress(2, 2)
@@ -64,7 +64,7 @@ def test_a_rolled_back_block_keeps_the_pending_value(monkeypatch):
 
 def test_the_worker_writes_the_last_value_before_it_settles(run_worker, monkeypatch):
     monkeypatch.setattr(context, "PROGRESS_INTERVAL", 3600.0)
-    job = engine.enqueue("test.cancellable", {"seconds": 0.35})
+    job = enqueueing.enqueue("test.cancellable", {"seconds": 0.35})
     assert run_worker() == 1
     finished = Job.objects.get(pk=job.pk)
     assert finished.state == "succeeded"

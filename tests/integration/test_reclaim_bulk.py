@@ -18,7 +18,7 @@ from django.db import connection, transaction
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
-from jobs import engine
+from jobs import engine, enqueueing
 from jobs.events import one_event
 from jobs.models import Job, JobLock, Lease, Outcome, State
 
@@ -53,12 +53,12 @@ def crash_a_fleet(ids: list[int]) -> None:
 
 
 def test_ten_thousand_expired_leases_in_one_pass_beside_a_live_heartbeat():
-    jobs = engine.enqueue_many("test.noop", [{"n": n} for n in range(EXPIRED)])
+    jobs = enqueueing.enqueue_many("test.noop", [{"n": n} for n in range(EXPIRED)])
     ids = [job.pk for job in jobs]
     run_at = dict(Job.objects.filter(pk__in=ids[:100]).values_list("pk", "run_at"))
     crash_a_fleet(ids)
     # A live worker's job, holding a lock, lease renewed by its heartbeat throughout.
-    engine.enqueue("test.locked", {"resources": ["live:1"]}, lease_seconds=60)
+    enqueueing.enqueue("test.locked", {"resources": ["live:1"]}, lease_seconds=60)
     live = engine.claim("live-worker")
     assert live is not None
 
@@ -136,7 +136,7 @@ def test_ten_thousand_expired_leases_in_one_pass_beside_a_live_heartbeat():
     assert "died or stopped responding during attempt 1" in lease.error_message
     # Each keeps its place in the queue: run_at unchanged, claimed in the old order.
     assert dict(Job.objects.filter(pk__in=ids[:100]).values_list("pk", "run_at")) == run_at
-    newer = engine.enqueue("test.noop", {"n": "enqueued after the crash"})
+    newer = enqueueing.enqueue("test.noop", {"n": "enqueued after the crash"})
     first = engine.claim("survivor")
     assert first is not None and first.id == ids[0] and first.id != newer.pk
     assert one_event(ids[1], "reclaimed").data["state"] == "queued"
@@ -145,7 +145,7 @@ def test_ten_thousand_expired_leases_in_one_pass_beside_a_live_heartbeat():
 def test_a_row_an_open_transaction_holds_is_skipped_not_waited_for():
     """One expired job whose row a frozen transaction holds (a fence before its commit)
     never holds up the reclaim of the others: it is skipped, and reclaimed once free."""
-    held, free = (job.pk for job in engine.enqueue_many("test.noop", [{"n": 1}, {"n": 2}]))
+    held, free = (job.pk for job in enqueueing.enqueue_many("test.noop", [{"n": 1}, {"n": 2}]))
     for _ in range(2):
         engine.claim("dead-worker")
     Job.objects.filter(pk__in=[held, free]).update(

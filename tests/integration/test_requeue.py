@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from django.test import Client
 
-from jobs import engine
+from jobs import enqueueing
 from jobs.models import Job, State
 from ops import tokens
 
@@ -33,7 +33,7 @@ def read_token() -> str:
 
 
 def dead(kind: str = "test.echo", unique_key: str | None = None) -> Job:
-    job = engine.enqueue(kind, {"n": unique_key or "plain"}, unique_key=unique_key)
+    job = enqueueing.enqueue(kind, {"n": unique_key or "plain"}, unique_key=unique_key)
     assert job is not None
     Job.objects.filter(pk=job.pk).update(state=State.DEAD, last_error="RuntimeError: boom")
     job.refresh_from_db()
@@ -43,7 +43,7 @@ def dead(kind: str = "test.echo", unique_key: str | None = None) -> Job:
 def three_dead_one_blocked() -> tuple[Job, Job, Job, Job]:
     """Three dead jobs, the second of which shares its unique key with a queued job."""
     first, blocked, last = dead(), dead(unique_key="report:7"), dead(unique_key="report:8")
-    holder = engine.enqueue("test.echo", {"n": "again"}, unique_key="report:7")
+    holder = enqueueing.enqueue("test.echo", {"n": "again"}, unique_key="report:7")
     assert holder is not None and holder.pk != blocked.pk
     return first, blocked, last, holder
 
@@ -93,7 +93,7 @@ def test_when_every_job_conflicts_nothing_is_requeued_and_it_exits_1():
 
 def test_named_jobs_that_are_not_dead_are_conflicts_beside_the_requeued_ones():
     gone = dead()
-    alive = engine.enqueue("test.echo")
+    alive = enqueueing.enqueue("test.echo")
     data = run_json("requeue_dead", str(gone.pk), str(alive.pk))
     assert data["requeued"] == [gone.pk]
     assert data["conflicts"] == [

@@ -9,7 +9,7 @@ from django.core.management import CommandError, call_command
 from django.test import override_settings
 from django.utils import timezone
 
-from jobs import engine, refresh, scheduler, schedules
+from jobs import engine, enqueueing, operations, refresh, scheduler, schedules
 from jobs.models import Job, Schedule, State
 from tests.testapp.models import Document
 
@@ -101,7 +101,7 @@ def test_pruning_every_finished_job_does_not_make_a_slot_look_unrun():
     Job.objects.filter(state=State.SUCCEEDED).update(
         finished_at=timezone.now() - timedelta(days=30)
     )
-    assert engine.prune(timedelta(days=14)) == 1
+    assert operations.prune(timedelta(days=14)) == 1
     assert scheduler.tick(at(2026, 12, 1, 2, 0, 5)) == []
     assert Job.objects.count() == 0
 
@@ -178,7 +178,7 @@ def test_refreshers_enqueue_due_refreshes_in_bounded_batches(run_worker):
     assert refresh.run_all()["test.documents"] == 100  # same 100 still queued: no doubles
     assert Job.objects.filter(kind="test.refresh_document").count() == 100
     for _ in range(3):
-        engine.enqueue("holdfast.refresh")
+        enqueueing.enqueue("holdfast.refresh")
         run_worker()
     assert Document.objects.filter(refreshed=1).count() == 250
     assert Document.objects.get(url="https://example.org/fresh").refreshed == 0

@@ -19,7 +19,7 @@ from ingestion import blobs, search
 from ingestion.models import Artifact, ArtifactText, Source
 from ingestion.search import INDEX_ARTIFACT
 from ingestion.sources import SourceNotFound
-from jobs import engine
+from jobs import engine, enqueueing
 from jobs.context import JobContext
 from jobs.exceptions import InvalidJob, LeaseLost
 from jobs.models import Job, State
@@ -110,7 +110,7 @@ def index(run_worker: Callable[..., int]) -> Callable[..., list[Job]]:
     """Enqueue an index job per artifact and run them all through a real worker."""
 
     def index(*artifacts: Artifact) -> list[Job]:
-        jobs = [engine.enqueue(INDEX_ARTIFACT, {"artifact_id": a.pk}) for a in artifacts]
+        jobs = [enqueueing.enqueue(INDEX_ARTIFACT, {"artifact_id": a.pk}) for a in artifacts]
         assert run_worker() == len(jobs)
         for job in jobs:
             job.refresh_from_db()
@@ -246,7 +246,7 @@ def test_gone_artifacts_leave_the_index(index):
 
 def test_a_stale_attempt_cannot_write_the_index():
     page = fetched(make_source(), "lamp.html", HTML, "text/html")
-    job = engine.enqueue(INDEX_ARTIFACT, {"artifact_id": page.pk})
+    job = enqueueing.enqueue(INDEX_ARTIFACT, {"artifact_id": page.pk})
     stale = JobContext(claim_one("w-old"), "w-old")
     Job.objects.filter(pk=job.pk).update(lease_expires_at=timezone.now() - timedelta(minutes=5))
     assert engine.reclaim_expired() == [job.pk]
@@ -266,7 +266,7 @@ def test_a_stale_attempt_cannot_write_the_index():
 
 def test_an_index_job_that_read_an_older_body_writes_nothing(monkeypatch):
     page = fetched(make_source(), "lamp.html", HTML, "text/html")
-    job = engine.enqueue(INDEX_ARTIFACT, {"artifact_id": page.pk})
+    job = enqueueing.enqueue(INDEX_ARTIFACT, {"artifact_id": page.pk})
     ctx = JobContext(claim_one(), "w1")
     extract = search.extract
 

@@ -21,7 +21,7 @@ from ingestion import blobs, spool
 from ingestion.models import Fact, IngestedSubmission, Lab, ReconciliationIssue
 from ingestion.spool import Overdue, Spool, Stuck, Writer, apply_batch, drain, read_entry
 from ingestion.submissions import MIB, Limits
-from jobs.engine import enqueue
+from jobs.enqueueing import enqueue
 from jobs.models import Job, State
 
 pytestmark = pytest.mark.timeout(30)

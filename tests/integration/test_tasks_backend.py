@@ -21,7 +21,7 @@ from django.tasks.exceptions import InvalidTask, TaskResultDoesNotExist, TaskRes
 from django.tasks.signals import task_enqueued, task_finished, task_started
 from django.utils import timezone
 
-from jobs import engine
+from jobs import engine, enqueueing, operations
 from jobs.models import Job, State
 from jobs.tasks_backend import KIND, HoldfastBackend, LeaseExpired
 from tests.testapp import tasks
@@ -103,7 +103,7 @@ def test_a_raising_task_fails_with_its_exception_and_traceback(run_worker):
     assert (job.state, job.attempts, job.max_attempts) == (State.DEAD, 1, 1)
 
     # An operator's requeue makes it READY again; the failed attempt stays on record.
-    engine.requeue_one(job.pk)
+    operations.requeue_one(job.pk)
     result.refresh()
     assert result.status == TaskResultStatus.READY and len(result.errors) == 1
     assert result.finished_at is None
@@ -273,7 +273,7 @@ def test_a_reclaimed_attempt_is_reported_and_a_released_one_is_not(run_worker):
 @pytest.mark.django_db
 def test_a_cancelled_task_is_failed():
     result = tasks.add.enqueue(1, 1)
-    engine.cancel(int(result.id))
+    operations.cancel(int(result.id))
     result.refresh()
     assert result.status == TaskResultStatus.FAILED and result.finished_at is not None
     [error] = result.errors
@@ -429,7 +429,7 @@ def test_an_unknown_queue_is_refused(settings):
 
 @pytest.mark.django_db
 def test_get_result_of_an_unknown_id_raises_task_result_does_not_exist():
-    job = engine.enqueue("test.echo", {"x": 1})
+    job = enqueueing.enqueue("test.echo", {"x": 1})
     for result_id in ("999999", "abc", "", "-1", "1e3", " 1", "9" * 40, str(job.pk)):
         with pytest.raises(TaskResultDoesNotExist):
             tasks.add.get_result(result_id)

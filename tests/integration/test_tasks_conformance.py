@@ -13,7 +13,7 @@ from django.tasks.exceptions import InvalidTask
 from django.tasks.signals import task_finished
 from django.test import Client
 
-from jobs import InvalidJob, engine
+from jobs import InvalidJob, engine, enqueueing
 from jobs.context import JobContext
 from jobs.models import Job, State
 from jobs.tasks_backend import InvalidTaskArguments, run_task
@@ -94,7 +94,7 @@ def test_a_task_that_exits_fails_with_that_class(task, args, raised, path):
 def test_the_task_path_is_visible_and_filters_jobs_requeues_and_the_api(run_worker):
     good = tasks.add.enqueue(1, 2)
     bad = tasks.missing_report.enqueue("monday")
-    engine.enqueue("test.echo", {"task": "tests.testapp.tasks.add"})  # not a task's job
+    enqueueing.enqueue("test.echo", {"task": "tests.testapp.tasks.add"})  # not a task's job
     run_worker()
 
     listed = run_json("list_jobs", "--kind", "tests.testapp.tasks.add")

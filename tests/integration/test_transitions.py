@@ -8,7 +8,7 @@ import pytest
 from django.db import connection, transaction
 from django.utils import timezone
 
-from jobs import LeaseLost, engine
+from jobs import LeaseLost, engine, enqueueing, operations
 from jobs.context import JobContext
 from jobs.models import Job, Lease, Outcome, State
 from tests.testapp.models import Effect
@@ -19,18 +19,18 @@ pytestmark = pytest.mark.django_db
 
 
 def test_claim_takes_highest_priority_then_oldest_then_lowest_id():
-    low = engine.enqueue("test.echo", {"n": "low"}, priority=-5)
-    first = engine.enqueue("test.echo", {"n": "first"})
-    second = engine.enqueue("test.echo", {"n": "second"})
-    high = engine.enqueue("test.echo", {"n": "high"}, priority=5)
-    engine.enqueue("test.echo", {"n": "later"}, delay=3600)
+    low = enqueueing.enqueue("test.echo", {"n": "low"}, priority=-5)
+    first = enqueueing.enqueue("test.echo", {"n": "first"})
+    second = enqueueing.enqueue("test.echo", {"n": "second"})
+    high = enqueueing.enqueue("test.echo", {"n": "high"}, priority=5)
+    enqueueing.enqueue("test.echo", {"n": "later"}, delay=3600)
     order = [claim_one().id for _ in range(4)]
     assert order == [high.pk, first.pk, second.pk, low.pk]
     assert engine.claim("w1") is None  # the delayed job is not runnable yet
 
 
 def test_claim_writes_a_lease_and_increments_the_fencing_token():
-    job = engine.enqueue("test.echo")
+    job = enqueueing.enqueue("test.echo")
     claimed = claim_one("worker-a")
     assert (claimed.id, claimed.attempt, claimed.lease_token) == (job.pk, 1, 1)
     row = Job.objects.get(pk=job.pk)
@@ -44,13 +44,13 @@ def test_claim_writes_a_lease_and_increments_the_fencing_token():
 
 
 def test_claim_serves_only_the_requested_lanes():
-    engine.enqueue("test.echo", lane="default")
+    enqueueing.enqueue("test.echo", lane="default")
     assert engine.claim("w", lanes=["other"]) is None
     assert engine.claim("w", lanes=["other", "default"]) is not None
 
 
 def test_complete_is_fenced_by_state_and_token():
-    engine.enqueue("test.echo")
+    enqueueing.enqueue("test.echo")
     claimed = claim_one()
     engine.complete(claimed, {"ok": True})
     job = Job.objects.get(pk=claimed.id)
@@ -62,7 +62,7 @@ def test_complete_is_fenced_by_state_and_token():
 
 
 def test_failure_retries_with_backoff_then_goes_dead():
-    engine.enqueue("test.fail")  # max_attempts=3
+    enqueueing.enqueue("test.fail")  # max_attempts=3
     for attempt in (1, 2):
         claimed = claim_one()
         assert claimed.attempt == attempt
@@ -80,7 +80,7 @@ def test_failure_retries_with_backoff_then_goes_dead():
 
 
 def test_backoff_delays_the_next_attempt():
-    engine.enqueue("test.fail")
+    enqueueing.enqueue("test.fail")
     engine.fail(claim_one(), failure(), backoff_seconds=600)
     job = Job.objects.get()
     assert job.state == State.QUEUED
@@ -89,13 +89,13 @@ def test_backoff_delays_the_next_attempt():
 
 
 def test_permanent_error_goes_dead_at_once():
-    engine.enqueue("test.echo")
+    enqueueing.enqueue("test.echo")
     assert engine.fail(claim_one(), failure(permanent=True), backoff_seconds=0) == State.DEAD
     assert Job.objects.get().attempts == 1
 
 
 def test_release_gives_the_job_back_without_charging_the_attempt():
-    engine.enqueue("test.echo")
+    enqueueing.enqueue("test.echo")
     claimed = claim_one()
     engine.release(claimed)
     job = Job.objects.get()
@@ -106,7 +106,7 @@ def test_release_gives_the_job_back_without_charging_the_attempt():
 
 
 def test_reclaim_requeues_an_expired_lease_and_fences_out_the_old_worker():
-    engine.enqueue("test.echo")
+    enqueueing.enqueue("test.echo")
     old = claim_one("old-worker")
     expire_lease(old.id)
     assert engine.reclaim_expired() == [old.id]
@@ -130,7 +130,7 @@ def test_reclaim_requeues_an_expired_lease_and_fences_out_the_old_worker():
 
 
 def test_reclaim_never_clobbers_a_completion_that_landed_first():
-    engine.enqueue("test.echo")
+    enqueueing.enqueue("test.echo")
     claimed = claim_one()
     expire_lease(claimed.id)
     engine.complete(claimed, "won the race")  # completion lands before the reclaimer
@@ -141,14 +141,14 @@ def test_reclaim_never_clobbers_a_completion_that_landed_first():
 
 
 def test_reclaim_leaves_live_leases_alone():
-    engine.enqueue("test.echo")
+    enqueueing.enqueue("test.echo")
     claim_one()
     assert engine.reclaim_expired() == []
     assert Job.objects.get().state == State.RUNNING
 
 
 def test_reclaim_of_a_spent_job_makes_it_dead():
-    engine.enqueue("test.echo", max_attempts=1)
+    enqueueing.enqueue("test.echo", max_attempts=1)
     claimed = claim_one()
     expire_lease(claimed.id)
     assert engine.reclaim_expired() == [claimed.id]
@@ -157,7 +157,7 @@ def test_reclaim_of_a_spent_job_makes_it_dead():
 
 
 def test_heartbeat_extends_the_lease_and_reports_cancel_requests():
-    engine.enqueue("test.echo")
+    enqueueing.enqueue("test.echo")
     claimed = claim_one()
     Job.objects.filter(pk=claimed.id).update(lease_expires_at=timezone.now())
     assert engine.heartbeat(claimed) is False
@@ -169,17 +169,17 @@ def test_heartbeat_extends_the_lease_and_reports_cancel_requests():
 
 
 def test_requeue_dead_gives_a_fresh_budget_and_keeps_history():
-    engine.enqueue("test.fail")
+    enqueueing.enqueue("test.fail")
     for _ in range(3):
         engine.fail(claim_one(), failure(), backoff_seconds=0)
     dead = Job.objects.get()
     assert dead.state == State.DEAD
-    assert engine.requeue_dead(engine.dead_jobs(kind="test.fail")) == [dead.pk]
+    assert operations.requeue_dead(operations.dead_jobs(kind="test.fail")) == [dead.pk]
     job = Job.objects.get()
     assert (job.state, job.attempts, job.max_attempts) == (State.QUEUED, 3, 6)
     assert job.finished_at is None
     assert claim_one().attempt == 4
-    assert engine.requeue_dead([job]) == []  # not dead any more: nothing happens
+    assert operations.requeue_dead([job]) == []  # not dead any more: nothing happens
 
 
 @pytest.mark.postgres
@@ -188,7 +188,7 @@ def test_an_open_fenced_block_holds_no_lock_and_a_stale_one_rolls_back():
     """While a handler is inside ctx.atomic() its job row is not locked: reclaim (and
     cancel, heartbeats) never wait behind it, even a frozen one. The block checks the
     lease at its end, in its own transaction: reclaimed meanwhile, it rolls back (I2)."""
-    engine.enqueue("test.echo")
+    enqueueing.enqueue("test.echo")
     claimed = claim_one()
     expire_lease(claimed.id)  # committed: to a reclaimer the lease looks expired
     inside, release, outcome = threading.Event(), threading.Event(), {}
@@ -210,7 +210,7 @@ def test_an_open_fenced_block_holds_no_lock_and_a_stale_one_rolls_back():
         assert inside.wait(5)
         started = time.monotonic()
         assert engine.reclaim_expired() == [claimed.id]  # not blocked by the open block
-        assert engine.cancel(claimed.id).state == State.CANCELLED  # nor is a cancel
+        assert operations.cancel(claimed.id).state == State.CANCELLED  # nor is a cancel
         assert time.monotonic() - started < 3
     finally:
         release.set()
@@ -225,7 +225,7 @@ def test_the_end_of_block_fence_and_its_commit_serialize_with_reclaim():
     """The fence is the block's last statement and locks the row until the commit right
     after it: a reclaim meanwhile skips the row (never waits), and after the commit finds
     the lease renewed; a fence that comes second finds the job reclaimed and rolls back."""
-    engine.enqueue("test.echo")
+    enqueueing.enqueue("test.echo")
     claimed = claim_one()
     expire_lease(claimed.id)
     fenced, commit = threading.Event(), threading.Event()

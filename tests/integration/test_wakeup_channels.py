@@ -12,7 +12,7 @@ import psycopg
 import pytest
 from django.db import connection
 
-from jobs import engine, notify
+from jobs import enqueueing, notify
 from jobs.notify import PollWaker
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -70,9 +70,9 @@ def _marker(channels: list[str]) -> None:
 
 @pytest.mark.postgres
 def test_an_enqueue_reaches_only_its_lanes_workers(listeners: dict[str, Any]) -> None:
-    engine.enqueue("test.noop", {}, lane="default")
-    engine.enqueue("test.noop", {}, lane="other", delay=60)  # delayed: notifies no one
-    engine.enqueue("test.noop", {}, lane="other")
+    enqueueing.enqueue("test.noop", {}, lane="default")
+    enqueueing.enqueue("test.noop", {}, lane="other", delay=60)  # delayed: notifies no one
+    enqueueing.enqueue("test.noop", {}, lane="other")
     _marker([notify.lane_channel("other"), notify.NOTIFY_CHANNEL])
     assert _heard_before_marker(listeners["other"]) == [(notify.lane_channel("other"), "other")]
     assert _heard_before_marker(listeners["all"]) == [
@@ -88,7 +88,7 @@ def test_odd_and_long_lane_names_get_valid_channels(lanes: None) -> None:
     assert len(channel.encode()) <= 63 and channel != notify.lane_channel("other")
     conn = _listen([channel])
     try:
-        engine.enqueue("test.noop", {}, lane=odd)
+        enqueueing.enqueue("test.noop", {}, lane=odd)
         _marker([channel])
         assert _heard_before_marker(conn) == [(channel, odd)]
     finally:
@@ -98,11 +98,11 @@ def test_odd_and_long_lane_names_get_valid_channels(lanes: None) -> None:
 def test_in_process_wakers_wake_only_for_their_lanes(lanes: None) -> None:
     other, every = PollWaker(["other"]), PollWaker(None)
     try:
-        engine.enqueue("test.noop", {}, lane="default")
-        engine.enqueue("test.noop", {}, lane="other", delay=60)
+        enqueueing.enqueue("test.noop", {}, lane="default")
+        enqueueing.enqueue("test.noop", {}, lane="other", delay=60)
         if connection.vendor == "sqlite":  # in-process wake-ups stand in for NOTIFY
             assert (other._event.is_set(), every._event.is_set()) == (False, True)
-            engine.enqueue("test.noop", {}, lane="other")
+            enqueueing.enqueue("test.noop", {}, lane="other")
             assert other._event.is_set()
     finally:
         other.close()

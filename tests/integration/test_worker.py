@@ -7,7 +7,7 @@ from django.db import connection
 from django.db.models.functions import Now
 from structlog.testing import capture_logs
 
-from jobs import context, engine
+from jobs import context, engine, enqueueing
 from jobs.context import JobContext
 from jobs.models import Job, Lease, Outcome, State, Worker
 from tests.testapp.models import Effect
@@ -18,10 +18,10 @@ pytestmark = pytest.mark.django_db(transaction=True)
 
 
 def test_jobs_succeed_retry_and_die(run_worker):
-    ok = engine.enqueue("test.echo", {"x": 1})
-    flaky = engine.enqueue("test.flaky", {"fail_times": 2})
-    doomed = engine.enqueue("test.fail", {"message": "disk full"})
-    permanent = engine.enqueue("test.permanent")
+    ok = enqueueing.enqueue("test.echo", {"x": 1})
+    flaky = enqueueing.enqueue("test.flaky", {"fail_times": 2})
+    doomed = enqueueing.enqueue("test.fail", {"message": "disk full"})
+    permanent = enqueueing.enqueue("test.permanent")
     assert run_worker() == 1 + 3 + 3 + 1
     assert Job.objects.get(pk=ok.pk).result == {"args": {"x": 1}, "attempt": 1}
     flaky_job = Job.objects.get(pk=flaky.pk)
@@ -40,7 +40,7 @@ def test_jobs_succeed_retry_and_die(run_worker):
 
 
 def test_args_that_do_not_fit_the_handler_are_a_permanent_error(run_worker):
-    job = engine.enqueue("test.flaky", {"unexpected": 1})
+    job = enqueueing.enqueue("test.flaky", {"unexpected": 1})
     run_worker()
     job = Job.objects.get(pk=job.pk)
     assert job.state == State.DEAD and job.attempts == 1
@@ -50,8 +50,8 @@ def test_args_that_do_not_fit_the_handler_are_a_permanent_error(run_worker):
 def test_a_kind_without_handler_waits_uncharged_for_a_worker_that_knows_it(run_worker):
     """New code enqueued a kind this worker has no handler for: it is not claimed (not
     charged, not killed); queue_status names it; a worker that knows the kind runs it."""
-    job = engine.enqueue("test.echo")
-    other = engine.enqueue("test.echo")
+    job = enqueueing.enqueue("test.echo")
+    other = enqueueing.enqueue("test.echo")
     Job.objects.filter(pk=job.pk).update(kind="vanished.kind")
     assert run_worker(worker_id="old-code") == 1  # only the job it knows
     job = Job.objects.get(pk=job.pk)
@@ -72,7 +72,7 @@ def test_a_kind_without_handler_waits_uncharged_for_a_worker_that_knows_it(run_w
 
 
 def test_effects_in_atomic_complete_land_exactly_once(run_worker):
-    jobs = engine.enqueue_many("test.effect", [{} for _ in range(5)])
+    jobs = enqueueing.enqueue_many("test.effect", [{} for _ in range(5)])
     run_worker()
     for job in jobs:
         assert Job.objects.get(pk=job.pk).state == State.SUCCEEDED
@@ -80,7 +80,7 @@ def test_effects_in_atomic_complete_land_exactly_once(run_worker):
 
 
 def test_every_transition_logs_one_event_with_the_job_bound(run_worker):
-    job = engine.enqueue("test.flaky", {"fail_times": 1})
+    job = enqueueing.enqueue("test.flaky", {"fail_times": 1})
     with capture_logs() as logs:
         run_worker(worker_id="w-log")
     events = [entry for entry in logs if entry.get("job_id") == job.pk]
@@ -94,7 +94,7 @@ def test_every_transition_logs_one_event_with_the_job_bound(run_worker):
 
 def test_stale_attempt_cannot_commit_domain_writes():
     """I2: a ctx.atomic() block of a reclaimed attempt rolls back entirely."""
-    engine.enqueue("test.effect")
+    enqueueing.enqueue("test.effect")
     old = claim_one("old")
     ctx = JobContext(old, "old")
     expire_lease(old.id)
@@ -111,7 +111,7 @@ def test_stale_attempt_cannot_commit_domain_writes():
 
 
 def test_atomic_complete_then_normal_return_does_not_settle_twice(run_worker):
-    job = engine.enqueue("test.effect")
+    job = enqueueing.enqueue("test.effect")
     run_worker()
     assert Lease.objects.get(job_id=job.pk).outcome == Outcome.SUCCEEDED
     assert Job.objects.get(pk=job.pk).result == "done"
@@ -119,7 +119,7 @@ def test_atomic_complete_then_normal_return_does_not_settle_twice(run_worker):
 
 def test_progress_is_recorded_and_fenced(monkeypatch):
     monkeypatch.setattr(context, "PROGRESS_INTERVAL", 0.0)  # no throttle: every call writes
-    engine.enqueue("test.echo")
+    enqueueing.enqueue("test.echo")
     claimed = claim_one()
     ctx = JobContext(claimed, "w1")
     ctx.progress(3, 10, "pages")
@@ -132,7 +132,7 @@ def test_progress_is_recorded_and_fenced(monkeypatch):
 @pytest.mark.postgres
 def test_concurrent_claims_never_share_a_job():
     """I1 under contention: 4 threads claim 200 jobs; every job is claimed exactly once."""
-    engine.enqueue_many("test.noop", [{} for _ in range(200)])
+    enqueueing.enqueue_many("test.noop", [{} for _ in range(200)])
     claimed: list[int] = []
     lock = threading.Lock()
 

@@ -1,4 +1,4 @@
-"""The worker registry's retention (engine.prune_workers): bounded, and only rows whose
+"""The worker registry's retention (workers.prune_workers): bounded, and only rows whose
 last heartbeat is older than the retention, stopped or not."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from datetime import timedelta
 import pytest
 from django.db.models.functions import Now
 
-from jobs import engine
+from jobs import engine, workers
 from jobs.models import Worker
 from jobs.status import GONE, LIVE, worker_liveness
 
@@ -28,9 +28,9 @@ def test_pruning_takes_only_rows_past_the_retention_a_batch_at_a_time(settings):
         worker(f"old-{n}", 7200 + n, stopped=n % 2 == 0)
     worker("gone-recently", 600)
     worker("live", 0)
-    assert engine.prune_workers(batch=2) == 2
-    assert engine.prune_workers() == 3
-    assert engine.prune_workers() == 0
+    assert workers.prune_workers(batch=2) == 2
+    assert workers.prune_workers() == 3
+    assert workers.prune_workers() == 0
     assert sorted(Worker.objects.values_list("pk", flat=True)) == ["gone-recently", "live"]
 
 

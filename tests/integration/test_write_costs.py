@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 from django.db import connection
 
-from jobs import engine
+from jobs import engine, enqueueing
 from jobs.events import events
 
 from .helpers import claim_one
@@ -40,7 +40,7 @@ def delta(before: dict, after: dict) -> dict[str, tuple[int, ...]]:
 def test_a_job_costs_five_row_writes():
     """Claim and settle of a job: the job row twice, its lease row (insert, update) and one
     counter upsert; the attempt's events are its lease row (no event rows)."""
-    engine.enqueue("test.echo")
+    enqueueing.enqueue("test.echo")
     before = writes()
     engine.complete(claim_one(), result=None)
     spent = delta(before, writes())
@@ -52,7 +52,7 @@ def test_a_job_costs_five_row_writes():
 def test_a_heartbeat_is_a_hot_update():
     """No index holds lease_expires_at or heartbeat_at (and pages keep room): renewing a
     lease adds no index entry to jobs_job or jobs_lease."""
-    engine.enqueue("test.echo")
+    enqueueing.enqueue("test.echo")
     claimed = claim_one()
     before = writes()
     for _ in range(5):

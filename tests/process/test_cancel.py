@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from jobs.engine import enqueue
+from jobs.enqueueing import enqueue
 from jobs.models import Lease, Outcome, State
 from tests.process.helpers import wait_for_job, wait_for_marker
 from tests.support.workers import WorkerPool

@@ -17,8 +17,8 @@ from typing import Any
 
 import pytest
 
-from jobs import engine
-from jobs.engine import enqueue
+from jobs import engine, operations
+from jobs.enqueueing import enqueue
 from jobs.events import events, one_event
 from jobs.models import Job, Lease, Outcome, State
 from tests.conftest import on_postgres
@@ -45,7 +45,7 @@ PHASES: dict[str, dict[str, Any]] = {
 
 def test_a_job_cancelled_while_queued_is_never_claimed(workers: WorkerPool) -> None:
     doomed = enqueue("test.effect")
-    engine.cancel(doomed.pk, actor="tester")
+    operations.cancel(doomed.pk, actor="tester")
     follower = enqueue("test.effect")
     worker = workers.start("w1")
     wait_for_job(follower.pk, State.SUCCEEDED, workers)
@@ -70,7 +70,7 @@ def test_a_running_job_cancelled_at_each_phase(
     wait_for_marker(marker, worker)
 
     asked_at = time.time()
-    engine.cancel(job.pk, actor="tester")
+    operations.cancel(job.pk, actor="tester")
     wait_until_heard(job.pk, worker, asked_at)
     gate.touch()
 

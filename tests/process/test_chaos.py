@@ -35,7 +35,7 @@ from django.db.models import Count
 from django.test import override_settings
 
 from jobs import counts
-from jobs.engine import enqueue
+from jobs.enqueueing import enqueue
 from jobs.models import Job, JobEvent, Lease, Outcome, State
 from tests.process.helpers import (
     assert_engine_invariants,

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from jobs import engine
+from jobs import enqueueing
 from tests.conftest import REPO, subprocess_env
 
 pytestmark = [pytest.mark.process, pytest.mark.timeout(120)]
@@ -99,7 +99,7 @@ def test_bad_spool_paths_are_exit_2_in_one_line(worker_env: dict[str, str], tmp_
 
 
 def test_a_closed_pipe_ends_a_command_quietly(worker_env: dict[str, str]) -> None:
-    job = engine.enqueue("test.echo")
+    job = enqueueing.enqueue("test.echo")
     read_end, write_end = os.pipe()
     os.close(read_end)  # the reader (`| head`) is gone before anything is written
     try:

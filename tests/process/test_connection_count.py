@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from django.db import connection
 
-from jobs import engine
+from jobs import enqueueing
 from jobs.models import Job, State, Worker
 from tests.support.workers import WorkerPool, wait_until
 
@@ -45,7 +45,7 @@ def test_32_workers_hold_two_connections_each(workers: WorkerPool, tmp_path: Pat
         "HOLDFAST_TEST_SCHEDULES": json.dumps(schedules),
     }
     jobs = [
-        engine.enqueue("test.sleep", {"seconds": 40, "marker": str(tmp_path / f"m{n}")})
+        enqueueing.enqueue("test.sleep", {"seconds": 40, "marker": str(tmp_path / f"m{n}")})
         for n in range(BUSY)
     ]
     procs = []

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from jobs.engine import enqueue, enqueue_many
+from jobs.enqueueing import enqueue, enqueue_many
 from jobs.models import Job, Lease, Outcome, State
 from tests.process.helpers import (
     assert_engine_invariants,

@@ -66,7 +66,7 @@ def test_workers_survive_database_crashes_and_apply_each_effect_once(
         migrate = pool.command("migrate", "-v", "0", timeout=60)
         assert migrate.returncode == 0, migrate.describe()
         pool.python(
-            "from jobs.engine import enqueue_many\n"
+            "from jobs.enqueueing import enqueue_many\n"
             f"enqueue_many('test.effect', [{{'sleep': 0.15}}] * {JOBS})\n"
         )
         assert probe.rows("SELECT count(*) FROM jobs_job WHERE state = 'queued'") == [(JOBS,)]

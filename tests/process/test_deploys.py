@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import pytest
 from django.db import connection
 
-from jobs import engine
+from jobs import enqueueing
 from jobs.models import Job, Lease
 from tests.process.helpers import job_summary
 from tests.support.workers import WorkerPool, wait_until
@@ -41,8 +41,12 @@ def test_alter_table_under_three_busy_workers_charges_no_attempt(
     # Both ways a job completes: settled by the worker's fused settle-and-claim statement
     # (test.sleep returns), and inside the handler's own transaction (test.effect's
     # ctx.atomic(complete=True)). Both run prepared statements.
-    ids = [job.pk for job in engine.enqueue_many("test.sleep", [{"seconds": 0.05}] * (JOBS // 2))]
-    ids += [job.pk for job in engine.enqueue_many("test.effect", [{"sleep": 0.05}] * (JOBS // 2))]
+    ids = [
+        job.pk for job in enqueueing.enqueue_many("test.sleep", [{"seconds": 0.05}] * (JOBS // 2))
+    ]
+    ids += [
+        job.pk for job in enqueueing.enqueue_many("test.effect", [{"sleep": 0.05}] * (JOBS // 2))
+    ]
     procs = [workers.start(f"deploy-{n}") for n in range(3)]
 
     def describe() -> str:
@@ -110,8 +114,8 @@ def test_a_failover_under_busy_workers_charges_no_attempt(
     the next server refuses writes for a while (a standby not yet promoted, or a demoted
     primary: read-only transactions), then one accepts them (the new primary)."""
     # Leases (30 s) outlast the switch: an attempt charged here could only be the switch's.
-    sleeps = engine.enqueue_many("test.sleep", [{"seconds": 0.05}] * 30, lease_seconds=30)
-    effects = engine.enqueue_many("test.effect", [{"sleep": 0.05}] * 30, lease_seconds=30)
+    sleeps = enqueueing.enqueue_many("test.sleep", [{"seconds": 0.05}] * 30, lease_seconds=30)
+    effects = enqueueing.enqueue_many("test.effect", [{"sleep": 0.05}] * 30, lease_seconds=30)
     ids = [job.pk for job in [*sleeps, *effects]]
     procs = [workers.start(f"failover-{n}") for n in range(3)]
 

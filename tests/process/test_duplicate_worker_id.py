@@ -7,7 +7,7 @@ from collections import Counter
 
 import pytest
 
-from jobs.engine import enqueue_many
+from jobs.enqueueing import enqueue_many
 from jobs.models import Job, Lease, State
 from tests.process.helpers import (
     assert_engine_invariants,

@@ -17,7 +17,7 @@ import pytest
 from django.db import connection
 from django.utils import timezone
 
-from jobs import engine
+from jobs import enqueueing, operations
 from jobs.exceptions import StateConflict
 from jobs.models import Job, JobLock, Lease, Outcome, State
 from tests.process.helpers import assert_engine_invariants, job_summary, wait_for_marker
@@ -80,7 +80,7 @@ def _cancel_within(job_id: int, seconds: float, row_locked: bool = False) -> Job
 
     def cancel() -> None:
         try:
-            outcome["job"] = engine.cancel(job_id, actor="tester")
+            outcome["job"] = operations.cancel(job_id, actor="tester")
         except Exception as exc:
             outcome["error"] = exc
         finally:
@@ -177,7 +177,7 @@ def test_a_worker_frozen_inside_ctx_atomic_holds_up_nothing(
     completed by the other worker; cancel_job answers at once."""
     procs = [workers.start("w-a"), workers.start("w-b")]
     marker = tmp_path / "attempt-1"
-    job = engine.enqueue(
+    job = enqueueing.enqueue(
         "test.freezable",
         {
             "document_id": _document().pk,
@@ -203,7 +203,7 @@ def test_a_worker_frozen_in_its_own_transaction_around_ctx_atomic_holds_up_nothi
     time."""
     procs = [workers.start("w-a"), workers.start("w-b")]
     marker = tmp_path / "attempt-1"
-    job = engine.enqueue(
+    job = enqueueing.enqueue(
         "test.freezable",
         {
             "document_id": _document().pk,
@@ -232,7 +232,7 @@ def test_a_worker_frozen_inside_a_heartbeat_holds_up_nothing(
     ]
     for proc in procs:
         proc.wait_for_event("worker_started", timeout=30)
-    job = engine.enqueue(
+    job = enqueueing.enqueue(
         "test.freezable",
         {
             "document_id": _document().pk,

@@ -16,7 +16,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from jobs import engine
+from jobs import engine, enqueueing
 from jobs.models import Worker
 from ops import tokens
 from tests.conftest import REPO
@@ -93,10 +93,10 @@ def test_gunicorn_serves_the_auth_matrix_behind_a_tls_proxy(gunicorn: Served) ->
     Worker.objects.create(id="live", host="h", pid=1)
     dead = []
     for _ in range(2):
-        job = engine.enqueue("test.permanent")
+        job = enqueueing.enqueue("test.permanent")
         engine.fail(claim_one(), failure(permanent=True), backoff_seconds=0)
         dead.append(job.pk)
-    queued = engine.enqueue("test.echo")
+    queued = enqueueing.enqueue("test.echo")
 
     # Without a token, a bad one, a revoked one: 401, JSON, with the bearer challenge.
     for token in (None, "hf_abcdefgh_" + "z" * 43, revoked):

@@ -8,7 +8,7 @@ from itertools import pairwise
 import pytest
 from django.test import override_settings
 
-from jobs.engine import enqueue_many
+from jobs.enqueueing import enqueue_many
 from jobs.models import Job, Lease, State
 from tests.process.helpers import assert_engine_invariants
 from tests.support.workers import WorkerPool, wait_until

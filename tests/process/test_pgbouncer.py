@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from django.db import connection
 
-from jobs import engine
+from jobs import enqueueing
 from jobs.models import Job, Lease
 from tests.process.helpers import job_summary, wait_for_job, wait_for_marker
 from tests.support.pgbouncer import PgBouncer, PgBouncerMissing
@@ -77,9 +77,9 @@ def run(*args):
     call_command(*args, stdout=out)
     return out.getvalue()
 
-dead = engine.enqueue("test.echo", {"n": "dead"})
+dead = enqueueing.enqueue("test.echo", {"n": "dead"})
 Job.objects.filter(pk=dead.pk).update(state="dead")
-later = engine.enqueue("test.echo", {"n": "later"}, delay=3600)
+later = enqueueing.enqueue("test.echo", {"n": "later"}, delay=3600)
 status = json.loads(run("queue_status", "--json"))
 assert status["workers"], status
 assert json.loads(run("list_jobs", "--json"))["count"] >= 2
@@ -144,7 +144,7 @@ def test_through_pgbouncer_with_a_direct_listen_connection(
 
     workers.python(
         "from jobs import sql\n"
-        "from jobs.engine import enqueue_many\n"
+        "from jobs.enqueueing import enqueue_many\n"
         "sql.BULK_INSERT_CHUNK = 7  # six statements, pipelined through the pooler\n"
         "enqueue_many('test.sleep', [{'seconds': 0.02}] * 40)\n",
         env=env,
@@ -170,7 +170,7 @@ def test_through_pgbouncer_with_a_direct_listen_connection(
     # Kill the worker running a job: the other one reclaims it, all through the pooler.
     marker = tmp_path / "started"
     workers.python(
-        "from jobs.engine import enqueue\n"
+        "from jobs.enqueueing import enqueue\n"
         f"enqueue('test.sleep', {{'seconds': 30, 'marker': {str(marker)!r}}}, lease_seconds=2)\n",
         env=env,
     )
@@ -199,7 +199,7 @@ def test_through_pgbouncer_without_a_listen_connection_workers_poll(
 ) -> None:
     env = pooled_env(bouncer, HOLDFAST_POLL_SECONDS="0.2")
     procs = [workers.start(f"poll-{n}", env=env) for n in (1, 2)]
-    ids = [job.pk for job in engine.enqueue_many("test.sleep", [{"seconds": 0.02}] * 30)]
+    ids = [job.pk for job in enqueueing.enqueue_many("test.sleep", [{"seconds": 0.02}] * 30)]
     wait_until(
         lambda: Job.objects.filter(pk__in=ids, state="succeeded").count() == len(ids),
         30,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from jobs.engine import enqueue
+from jobs.enqueueing import enqueue
 from jobs.models import Job, Lease, Outcome, State
 from tests.process.helpers import job_summary
 from tests.support.workers import WorkerPool

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from jobs.engine import enqueue
+from jobs.enqueueing import enqueue
 from jobs.models import Job, Lease, Outcome, State
 from tests.process.helpers import job_summary, wait_for_job, wait_for_marker
 from tests.support.workers import WorkerPool

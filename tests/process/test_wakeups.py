@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from django.db import connection
 
-from jobs import engine
+from jobs import enqueueing
 from jobs.models import Job, Lease, State
 from tests.process.helpers import wait_for_job, wait_for_marker
 from tests.support.workers import WorkerPool, wait_until
@@ -32,7 +32,7 @@ def _is_pg() -> bool:
 
 
 def test_a_delayed_job_runs_when_due_with_an_idle_worker(workers: WorkerPool) -> None:
-    job = engine.enqueue("test.noop", {}, delay=2.0)
+    job = enqueueing.enqueue("test.noop", {}, delay=2.0)
     # Polls every 30 s: only the next-due look-up can run the job on time.
     worker = workers.start("idle", env={"HOLDFAST_POLL_SECONDS": "30"})
     done = wait_for_job(job.pk, State.SUCCEEDED, workers, timeout=15)
@@ -49,10 +49,10 @@ def test_a_blocked_job_is_claimed_promptly_when_its_lock_frees(
     # another process's worker polls; its bound is the poll interval.
     poll = "30" if _is_pg() else "0.5"
     env = {"HOLDFAST_TEST_LANES": json.dumps(LANES), "HOLDFAST_POLL_SECONDS": poll}
-    holder_job = engine.enqueue("test.locked", {"resources": ["r"], "seconds": 2.0})
+    holder_job = enqueueing.enqueue("test.locked", {"resources": ["r"], "seconds": 2.0})
     holder = workers.start("holder", "--lanes", "default", env=env)
     wait_until(lambda: Job.objects.get(pk=holder_job.pk).state == State.RUNNING, 15)
-    blocked = engine.enqueue("test.locked", {"resources": ["r"]}, lane="other")
+    blocked = enqueueing.enqueue("test.locked", {"resources": ["r"]}, lane="other")
     waiter = workers.start("waiter", "--lanes", "other", env=env)
     done = wait_for_job(blocked.pk, State.SUCCEEDED, workers, timeout=40)
     first = Job.objects.get(pk=holder_job.pk)
@@ -69,11 +69,11 @@ def test_the_notification_queue_does_not_grow_behind_a_busy_worker(
     workers: WorkerPool, tmp_path: Path
 ) -> None:
     marker = tmp_path / "running"
-    long = engine.enqueue("test.sleep", {"seconds": 60, "marker": str(marker)})
+    long = enqueueing.enqueue("test.sleep", {"seconds": 60, "marker": str(marker)})
     worker = workers.start("busy", env={"HOLDFAST_POLL_SECONDS": "30"})
     wait_for_marker(marker, worker)
     for n in range(200):  # enqueues, one transaction each: each notifies the idle workers
-        engine.enqueue("test.noop", {"n": n})
+        enqueueing.enqueue("test.noop", {"n": n})
 
     def usage() -> float:
         with connection.cursor() as cursor:

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from django.db.models.functions import Now
 
-from jobs import engine
+from jobs import enqueueing
 from jobs.models import Job, Lease, Outcome, State
 from jobs.worker import EXIT_KEEPER_DIED
 from tests.process.helpers import (
@@ -37,7 +37,7 @@ def test_handlers_raising_base_exceptions_fail_their_attempts_not_the_worker(
 ) -> None:
     worker = workers.start("w1")
     jobs = {
-        which: engine.enqueue("test.raise_base", {"which": which})
+        which: enqueueing.enqueue("test.raise_base", {"which": which})
         for which in ("SystemExit", "KeyboardInterrupt", "GeneratorExit")
     }
     for which, job in jobs.items():
@@ -49,7 +49,7 @@ def test_handlers_raising_base_exceptions_fail_their_attempts_not_the_worker(
         assert leases[0].error_message.endswith("in attempt 1")
         assert f"raise {which}(" in leases[0].traceback
         assert dead.last_error.startswith(f"{which}: ")
-    after = engine.enqueue("test.echo", {"n": 1})
+    after = enqueueing.enqueue("test.echo", {"n": 1})
     assert wait_for_job(after.pk, State.SUCCEEDED, workers).result["args"] == {"n": 1}
     assert worker.alive and len(worker.events("worker_started")) == 1, worker.describe()
     worker.terminate()
@@ -62,7 +62,7 @@ def test_a_job_that_kills_its_worker_goes_dead_after_max_attempts(workers: Worke
     killer sends, ``os._exit``); each is reclaimed as "the worker died" (by the next
     worker, then by a scheduler pass), and the third makes it dead."""
     ways = ("segfault", "sigkill", "exit")
-    job = engine.enqueue("test.hard_exit", {"ways": ways})  # max_attempts=3, lease 1 s
+    job = enqueueing.enqueue("test.hard_exit", {"ways": ways})  # max_attempts=3, lease 1 s
     for n, status in ((1, -signal.SIGSEGV), (2, -signal.SIGKILL), (3, 1)):
         victim = workers.start(f"victim-{n}", wait_started=False)
         assert victim.wait_exit(30) == status, victim.describe()
@@ -94,7 +94,7 @@ def test_a_kind_no_running_worker_knows_waits_uncharged_until_one_does(
     old = workers.start("old-code")
     # Enqueued by the new code (the test process does not know the kind either).
     job = Job.objects.create(kind="test.late_kind", args={})
-    known = engine.enqueue("test.echo")
+    known = enqueueing.enqueue("test.echo")
     wait_for_job(known.pk, State.SUCCEEDED, workers)
     wait_until(lambda: old.events("job_claimed", job_id=known.pk), 10, message=old.describe)
     status = workers.command("queue_status", "--json")
@@ -138,7 +138,7 @@ def test_a_worker_whose_lease_keeper_dies_gives_its_job_back_and_exits_non_zero(
     workers: WorkerPool, tmp_path: Path
 ) -> None:
     marker = tmp_path / "running"
-    job = engine.enqueue("test.sleep", {"seconds": 60, "marker": str(marker)})
+    job = enqueueing.enqueue("test.sleep", {"seconds": 60, "marker": str(marker)})
     worker = workers.spawn_python("keeper-dies", KEEPER_FAULT)
     wait_for_marker(marker, worker, timeout=30)
     assert worker.wait_exit(20) == EXIT_KEEPER_DIED, worker.describe()

@@ -10,7 +10,7 @@ import psycopg
 import pytest
 from django.db import OperationalError
 
-from jobs import engine, sql
+from jobs import engine, sql, workers
 from jobs.worker import MIN_RECLAIM_BATCH, MIN_RECLAIM_BUDGET_MS, WorkerProcess, _KeeperState
 
 
@@ -42,7 +42,7 @@ def test_a_reclaim_that_runs_out_of_time_halves_its_batch(monkeypatch: pytest.Mo
         return outcome
 
     monkeypatch.setattr(engine, "reclaim_expired", reclaim)
-    monkeypatch.setattr(engine, "prune_workers", lambda: 0)
+    monkeypatch.setattr(workers, "prune_workers", lambda: 0)
     worker = WorkerProcess(worker_id="w")
     worker._min_lease = 4.0
     state = _KeeperState()

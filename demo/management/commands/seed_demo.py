@@ -2,7 +2,7 @@ from typing import Any
 
 from django.db import transaction
 
-from jobs.engine import enqueue, enqueue_many
+from jobs.enqueueing import enqueue, enqueue_many
 from jobs.management.base import JobsCommand
 
 

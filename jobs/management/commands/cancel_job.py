@@ -2,7 +2,7 @@ from typing import Any
 
 from django.core.management.base import CommandParser
 
-from jobs import engine
+from jobs import operations
 from jobs.management.base import JobsCommand, row_id
 from jobs.serialization import job_dict
 
@@ -15,7 +15,7 @@ class Command(JobsCommand):
         parser.add_argument("job_id", type=row_id)
 
     def handle(self, *args: Any, **options: Any) -> None:
-        job = engine.cancel(options["job_id"], actor="cli")
+        job = operations.cancel(options["job_id"], actor="cli")
         if options["as_json"]:
             self.emit_json(job_dict(job))
         elif job.state == "cancelled":

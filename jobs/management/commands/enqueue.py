@@ -4,7 +4,7 @@ from typing import Any
 from django.core.management.base import CommandParser
 from django.utils.dateparse import parse_datetime
 
-from jobs.engine import enqueue
+from jobs.enqueueing import enqueue
 from jobs.management.base import JobsCommand, bad_input
 from jobs.serialization import job_dict
 

@@ -2,7 +2,7 @@ from typing import Any
 
 from django.core.management.base import CommandParser
 
-from jobs import engine
+from jobs import operations
 from jobs.management.base import JobsCommand, limit
 from jobs.models import Job, State
 from jobs.serialization import job_dict
@@ -24,7 +24,7 @@ class Command(JobsCommand):
             if options[field]:
                 jobs = jobs.filter(**{field: options[field]})
         if options["kind"]:
-            jobs = jobs.filter(engine.kind_filter(options["kind"]))
+            jobs = jobs.filter(operations.kind_filter(options["kind"]))
         rows = [job_dict(job) for job in jobs[: options["limit"]]]
         if options["as_json"]:
             self.emit_json({"count": len(rows), "jobs": rows})

@@ -2,7 +2,7 @@ from typing import Any
 
 from django.core.management.base import CommandParser
 
-from jobs import engine, retention
+from jobs import operations, retention
 from jobs.management.base import JobsCommand, parse_duration
 from jobs.models import State
 
@@ -31,7 +31,7 @@ class Command(JobsCommand):
             found = retention.prune(dict.fromkeys(states, older_than), dry_run=True)
             count = sum(found.values())
         else:
-            count = engine.prune(older_than, include_dead=include_dead)
+            count = operations.prune(older_than, include_dead=include_dead)
         if options["as_json"]:
             self.emit_json(
                 {

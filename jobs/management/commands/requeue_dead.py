@@ -2,7 +2,7 @@ from typing import Any
 
 from django.core.management.base import CommandParser
 
-from jobs import engine
+from jobs import operations
 from jobs.management.base import JobsCommand, bad_input, failed, row_id
 from jobs.models import Job
 
@@ -32,12 +32,12 @@ class Command(JobsCommand):
             missing = [str(i) for i in ids if i not in known]
             if missing:
                 raise bad_input(f"no job with id {', '.join(missing)}")
-        selected = list(engine.dead_jobs(ids, kind=kind, lane=lane))
+        selected = list(operations.dead_jobs(ids, kind=kind, lane=lane))
         if ids:  # named jobs that are not dead are conflicts, reported with the rest
             chosen = {job.pk for job in selected}
             others = Job.objects.filter(pk__in=[i for i in ids if i not in chosen])
             selected = sorted([*selected, *others], key=lambda job: job.pk)
-        report = engine.requeue_each(selected, dry_run=dry_run)
+        report = operations.requeue_each(selected, dry_run=dry_run)
         refused = bool(report.conflicts) and not report.requeued
         if options["as_json"]:  # printed on exit 1 too: a script reads the conflicts
             self.emit_json(

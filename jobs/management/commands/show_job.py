@@ -2,8 +2,8 @@ from typing import Any
 
 from django.core.management.base import CommandParser
 
-from jobs.engine import get_job
 from jobs.management.base import JobsCommand, row_id
+from jobs.operations import get_job
 from jobs.serialization import job_detail_dict
 
 

@@ -1,0 +1,269 @@
+"""Operator actions and queries: look jobs up, requeue dead ones, cancel, prune.
+
+Each action is one guarded statement or one ``transaction.atomic()`` block per job (the
+guard, e.g. ``state = 'dead'``, in plain sight), and one structlog event per change.
+The commands, the HTTP API and the Django Tasks backend call these.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+import psycopg
+from django.db import IntegrityError, OperationalError, connection, transaction
+from django.db.models import F, Q, QuerySet
+from django.db.models.functions import Now
+
+from . import engine, enqueueing, notify, retention, sql
+from .exceptions import (
+    JobNotFound,
+    StateConflict,
+    UnknownKind,
+)
+from .log import get_logger
+from .models import Job, State
+from .registry import DEFAULT_MAX_ATTEMPTS, TASK_KIND, get_handler
+
+log = get_logger("jobs.operations")
+
+# --- operator actions ------------------------------------------------------------------
+
+
+def get_job(job_id: int) -> Job:
+    try:
+        return Job.objects.get(pk=job_id)
+    except Job.DoesNotExist:
+        raise JobNotFound(f"no job with id {job_id}") from None
+
+
+def kind_filter(kind: str) -> Q:
+    """Jobs of ``kind``: a handler's kind, or the path of a Django task function (all tasks
+    are ``django.task`` jobs; ``args["task"]`` names the function)."""
+    return Q(kind=kind) | Q(kind=TASK_KIND, args__task=kind)
+
+
+def dead_jobs(
+    ids: Sequence[int] = (),
+    kind: str | None = None,
+    lane: str | None = None,
+    since: datetime | None = None,
+) -> QuerySet[Job]:
+    """The dead jobs an operator selected (by id, kind, lane, time of death), oldest first."""
+    query = Q(state=State.DEAD)
+    if ids:
+        query &= Q(pk__in=ids)
+    if kind:
+        query &= kind_filter(kind)
+    if lane:
+        query &= Q(lane=lane)
+    if since:
+        query &= Q(finished_at__gte=since)
+    return Job.objects.filter(query).order_by("pk")
+
+
+@dataclass(frozen=True)
+class RequeueReport:
+    """What ``requeue_each`` did: the jobs requeued, and each one it could not requeue
+    with the reason (``{"id": …, "reason": …}``)."""
+
+    requeued: list[int]
+    conflicts: list[dict[str, Any]]
+
+
+def requeue_each(
+    jobs: Iterable[Job], actor: str = "operator", dry_run: bool = False
+) -> RequeueReport:
+    """Move dead jobs back to ``queued`` with a fresh attempt budget, each on its own.
+
+    ``attempts`` keeps counting (each attempt's record stays numbered uniquely); the
+    budget grows by the handler's ``max_attempts`` from the attempts spent so far. A job
+    that cannot be requeued (its unique key is held by a live job, or it is no longer
+    dead) is reported and the others are requeued all the same: each job's change is its
+    own savepoint. ``dry_run`` changes nothing and reports what would happen.
+    """
+    jobs = list(jobs)
+    holders = {
+        key: (job.pk, job.state)
+        for key, job in enqueueing.active_by_key(
+            [job.unique_key for job in jobs if job.unique_key]
+        ).items()
+    }
+    requeued: list[int] = []
+    conflicts: list[dict[str, Any]] = []
+
+    def conflict(job: Job, reason: str) -> None:
+        conflicts.append({"id": job.pk, "reason": reason})  # the caller reports them
+
+    for job in jobs:
+        key = job.unique_key
+        if key and key in holders:
+            holder, state = holders[key]
+            conflict(job, f"job {job.pk}: its unique key {key!r} is held by job {holder} ({state})")
+            continue
+        if job.state != State.DEAD:
+            conflict(job, f"job {job.pk} is {job.state}, not dead: nothing to requeue")
+            continue
+        if not dry_run:
+            try:
+                with transaction.atomic():
+                    matched = Job.objects.filter(pk=job.pk, state=State.DEAD).update(
+                        state=State.QUEUED,
+                        run_at=Now(),
+                        max_attempts=F("attempts") + _requeue_budget(job.kind),
+                        finished_at=None,
+                        cancel_requested=False,
+                        updated_at=Now(),
+                    )
+                    if matched == 1:
+                        engine.record_event(job.pk, "requeued", by=actor)
+                        sql.count_jobs({(job.lane, State.DEAD): -1})  # out of the dead count
+            except IntegrityError:  # a live job took the key since we looked
+                holder_job = enqueueing.active_by_key([key]).get(key) if key else None
+                held_by = f"job {holder_job.pk} ({holder_job.state})" if holder_job else "a job"
+                conflict(job, f"job {job.pk}: its unique key {key!r} is held by {held_by}")
+                continue
+            if matched != 1:
+                now = Job.objects.filter(pk=job.pk).values_list("state", flat=True).first()
+                conflict(job, f"job {job.pk} is {now or 'gone'}, not dead: nothing to requeue")
+                continue
+            log.info("job_requeued", job_id=job.pk, kind=job.kind, lane=job.lane, by=actor)
+        requeued.append(job.pk)
+        if key:
+            holders[key] = (job.pk, State.QUEUED)  # a second dead job with that key conflicts
+    if requeued and not dry_run:
+        done = set(requeued)
+        _notify_lanes({job.lane for job in jobs if job.pk in done})
+    return RequeueReport(requeued, conflicts)
+
+
+def requeue_dead(jobs: Sequence[Job], actor: str = "operator") -> list[int]:
+    """``requeue_each``, returning only the ids requeued."""
+    return requeue_each(jobs, actor=actor).requeued
+
+
+CANCEL_LOCK_WAIT = 3.0  # seconds: cancel_job answers within 5 s whatever holds the row
+
+
+def cancel(job_id: int, actor: str = "operator") -> Job:
+    """Cancel a queued job at once, or ask a running one to stop at its next safe point.
+
+    A running job learns of the request through ``ctx.cancel_requested``: at once on
+    PostgreSQL (NOTIFY on ``holdfast_cancel``, delivered on commit), else at its worker's
+    next lease renewal (at most every 5 s). The job ends ``cancelled`` only if the handler
+    honours it. A running job whose lease has expired (its worker died or froze) is
+    cancelled at once, as a reclaim would end that attempt. A finished job cannot be
+    cancelled (StateConflict). Lock waits are bounded, so this returns within seconds even
+    if a frozen worker holds the row: then it raises StateConflict, saying to try again.
+    """
+    try:
+        with sql.lock_waits_bounded(CANCEL_LOCK_WAIT):
+            return _cancel(job_id, actor)
+    except OperationalError as exc:
+        if not _is_lock_wait(exc):
+            raise
+        raise StateConflict(
+            f"job {job_id} is locked by an open transaction (its worker may be frozen; the "
+            f"server ends such sessions within one lease): nothing changed, try again"
+        ) from None
+
+
+def _is_lock_wait(exc: OperationalError) -> bool:
+    cause = exc.__cause__
+    if isinstance(cause, psycopg.errors.LockNotAvailable):
+        return True
+    return "database is locked" in str(exc)
+
+
+def _cancel(job_id: int, actor: str) -> Job:
+    if Job.objects.filter(pk=job_id, state=State.QUEUED).update(
+        state=State.CANCELLED,
+        cancel_requested=True,
+        finished_at=Now(),
+        last_error=f"cancelled by {actor} before it ran",
+        updated_at=Now(),
+    ):
+        job = get_job(job_id)
+        sql.count_jobs({(job.lane, State.CANCELLED): 1})
+        engine.record_event(job_id, "cancelled", by=actor)
+        log.info("job_cancelled", job_id=job_id, kind=job.kind, lane=job.lane, by=actor)
+        return job
+    # Its lease expired (worker died or frozen): end that attempt as a reclaim would, into
+    # `cancelled` (its `reclaimed` event says so), fencing out the old worker's writes.
+    expired = Job.objects.filter(pk=job_id, state=State.RUNNING, lease_expires_at__lt=Now())
+    ended_attempts = sql.reclaim(1, job_id=job_id, cancel=True, actor=actor) if expired else []
+    if ended_attempts:
+        sql.promote_blocked()  # its locks are free: their blocked waiters go on
+    for ended in ended_attempts:
+        log.info(
+            "job_cancelled",
+            job_id=job_id,
+            kind=ended.kind,
+            lane=ended.lane,
+            lease_token=ended.lease_token,
+            worker_id=ended.worker_id,
+            by=actor,
+            lease_expired=True,
+        )
+        return get_job(job_id)
+    if Job.objects.filter(pk=job_id, state=State.RUNNING).update(
+        cancel_requested=True, updated_at=Now()
+    ):
+        job = get_job(job_id)
+        engine.record_event(
+            job_id, "cancel_requested", job.lease_token, job.leased_by or "", by=actor
+        )
+        if sql.is_postgres():
+            with connection.cursor() as cursor:
+                cursor.execute("SELECT pg_notify(%s, %s)", [notify.CANCEL_CHANNEL, str(job_id)])
+        log.info(
+            "job_cancel_requested",
+            job_id=job_id,
+            kind=job.kind,
+            lane=job.lane,
+            lease_token=job.lease_token,
+            worker_id=job.leased_by,
+            by=actor,
+        )
+        return job
+    job = get_job(job_id)  # raises JobNotFound for an unknown id
+    raise StateConflict(f"job {job_id} is {job.state}: it has finished, nothing to cancel")
+
+
+def prune(older_than: timedelta, include_dead: bool = False, batch: int = 5000) -> int:
+    """Delete finished jobs (and their attempts) that finished more than ``older_than`` ago.
+
+    Succeeded and cancelled jobs only, unless ``include_dead``: dead jobs are evidence an
+    operator may still need. Queued and running jobs are never pruned. Deletes in batches
+    so that no single transaction holds the table for long; returns how many went.
+    """
+    states = [State.SUCCEEDED, State.CANCELLED] + ([State.DEAD] if include_dead else [])
+    deleted = sum(retention.prune(dict.fromkeys(states, older_than), batch=batch).values())
+    log.info(
+        "jobs_pruned",
+        count=deleted,
+        older_than_s=older_than.total_seconds(),
+        include_dead=include_dead,
+    )
+    return deleted
+
+
+def requeue_one(job_id: int, actor: str = "operator") -> Job:
+    """Requeue one dead job; StateConflict (saying why) if it cannot be."""
+    report = requeue_each([get_job(job_id)], actor=actor)
+    if report.conflicts:
+        raise StateConflict(report.conflicts[0]["reason"])
+    return get_job(job_id)
+
+
+def _requeue_budget(kind: str) -> int:
+    try:
+        return get_handler(kind).max_attempts
+    except UnknownKind:
+        return DEFAULT_MAX_ATTEMPTS
+
+
+def _notify_lanes(lanes: Iterable[str]) -> None:
+    notify.notify_lanes(lanes)
