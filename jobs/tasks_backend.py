@@ -34,7 +34,6 @@ from django.utils.dateparse import parse_datetime
 from django.utils.json import normalize_json
 from django.utils.module_loading import import_string
 
-from . import enqueueing
 from . import lanes as lane_config
 from .exceptions import Cancelled, InvalidJob, LaneFull, LaneRefused, PermanentError, UnknownKind
 from .registry import TASK_KIND, handler
@@ -239,6 +238,7 @@ class HoldfastBackend(BaseTaskBackend):
         self, task: Task[Any, Any], args: Sequence[Any], kwargs: Mapping[str, Any]
     ) -> TaskResult[Any, Any]:
         """Write the task's job in the caller's transaction; it exists iff that commits."""
+        from . import enqueueing  # imports the models: not before the app registry is ready
 
         self.validate_task(task)
         defaults = self._defaults()

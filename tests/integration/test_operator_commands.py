@@ -6,7 +6,7 @@ import pytest
 from django.utils import timezone
 
 from ingestion import reconciliation
-from jobs import engine, enqueueing
+from jobs import StateConflict, engine, enqueueing
 from jobs.models import Job, Lease, State
 from ops import tokens
 from ops.models import OpsToken
@@ -143,7 +143,7 @@ def test_list_reconciliation_issues_filters_and_shapes():
 def test_resolving_twice_is_a_conflict():
     issue = reconciliation.record("gone_at_source", "https://example.org/b")
     reconciliation.resolve(issue.pk, by="alice")
-    with pytest.raises(engine.StateConflict, match="already resolved by alice"):
+    with pytest.raises(StateConflict, match="already resolved by alice"):
         reconciliation.resolve(issue.pk, by="bob")
     with pytest.raises(reconciliation.IssueNotFound):
         reconciliation.resolve(999999, by="bob")
