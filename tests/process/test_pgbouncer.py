@@ -69,7 +69,7 @@ COMMANDS_AND_API = """
 import io, json
 from django.core.management import call_command
 from django.test import Client
-from jobs import engine
+from jobs import enqueueing
 from jobs.models import Job
 
 def run(*args):
