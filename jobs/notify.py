@@ -178,17 +178,12 @@ class SideListener:
 
     def poll(self, timeout: float) -> list[psycopg.Notify] | None:
         """Notifications received within ``timeout`` seconds (those that arrived during
-        other statements first): returns as soon as one has arrived, with every other one
-        already there, so a wake-up is passed on at once; None while not listening (the
-        caller sleeps instead)."""
+        other statements first); None while not listening (the caller sleeps instead)."""
         raw = self._ensure()
         if raw is None:
             return None
         try:
-            notes = list(raw.notifies(timeout=max(0.0, timeout), stop_after=1))
-            if notes:
-                notes += raw.notifies(timeout=0)
-            return notes
+            return list(raw.notifies(timeout=max(0.0, timeout)))
         except psycopg.Error as exc:
             log.warning("listen_lost", error=" ".join(str(exc).split()))
             self._on = None
