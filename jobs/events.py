@@ -14,7 +14,7 @@ kept and shown as they are, never twice.
 
 Order: attempt by attempt (lease token), each as claimed, the events its token names (in
 insertion order), settled; an event of no attempt (a requeue, the cancel of a queued job)
-between the attempts it fell between by time.
+before the first attempt claimed at or after its time.
 """
 
 from __future__ import annotations
@@ -90,11 +90,16 @@ def _settled(lease: Lease) -> JobEvent:
 def _interleave(
     attempts: list[list[JobEvent]], leases: list[Lease], between: list[JobEvent]
 ) -> list[JobEvent]:
-    """Each event of no attempt goes after the last attempt that had ended by its time."""
-    ends = [lease.released_at or lease.acquired_at for lease in leases]
+    """Each event of no attempt goes before the first attempt claimed at or after its time.
+
+    Such an event (a requeue, the cancel of a queued job) happens while no attempt runs,
+    so it precedes the next claim even when both fall in the same clock tick (SQLite's
+    clock has milliseconds).
+    """
+    starts = [lease.acquired_at for lease in leases]
     slots: list[list[JobEvent]] = [[] for _ in range(len(attempts) + 1)]
     for row in between:
-        slots[bisect.bisect_right(ends, row.at)].append(row)
+        slots[bisect.bisect_left(starts, row.at)].append(row)
     ordered = list(slots[0])
     for attempt, after in zip(attempts, slots[1:], strict=True):
         ordered += attempt + after
