@@ -224,9 +224,14 @@ PG_TAKE = f"""claimed AS (
     WHERE job.id = candidate.id AND job.state = 'queued' {{slot_guard}}
     RETURNING {_columns("job")}
 ), lease AS (
+    -- acquired_at: the clock while the statement runs, after its snapshot, so no attempt
+    -- seems to begin before the settle whose freed slot or lock it took had committed.
+    -- statement_timestamp() is when the statement arrived; planning the claim (the first
+    -- runs of a prepared statement, or every run with them off) can take milliseconds.
+    -- The expiry stays measured from statement_timestamp(): a little early, never late.
     INSERT INTO jobs_lease (job_id, attempt, lease_token, worker_id, acquired_at, expires_at,
                             outcome, error_class, error_message, traceback, context)
-    SELECT id, attempts, lease_token, %(worker)s::text, statement_timestamp(), lease_expires_at,
+    SELECT id, attempts, lease_token, %(worker)s::text, clock_timestamp(), lease_expires_at,
            'running', '', '', '', '{{{{}}}}'::jsonb
     FROM claimed
     RETURNING id
