@@ -392,7 +392,7 @@ def reclaim_expired(
         log.debug("blocked_jobs_promoted", count=len(promoted))
     if reclaimed or promoted:  # runnable again, and locks are free
         notify.notify_lanes({job.lane for job in reclaimed if job.state == State.QUEUED})
-        notify.notify_lanes({job.lane for job in reclaimed} or {"default"}, freed=True)
+        notify.notify_freed()
     return [job.id for job in reclaimed]
 
 
@@ -467,7 +467,7 @@ def _notify_freed(job: Claimed, settled: bool, limits: Mapping[str, int] | None)
     if not settled:
         return
     if job.locks:
-        notify.notify_lanes([job.lane], freed=True)
+        notify.notify_freed()
     if job.lane in (lane_config.running_limits(None) if limits is None else limits):
         notify.notify_lanes([job.lane])
 

@@ -82,25 +82,36 @@ def quote_channel(channel: str) -> str:
     return '"' + channel.replace('"', '""') + '"'
 
 
-def notify_lanes(lanes: Iterable[str], freed: bool = False) -> None:
-    """Wake the idle workers serving ``lanes`` (``freed``: every idle worker, a lock is
-    free). PostgreSQL: NOTIFY, sent at commit of the current transaction, or at once in
-    autocommit. SQLite: this process's idle workers, after commit."""
+def notify_lanes(lanes: Iterable[str]) -> None:
+    """Wake the idle workers serving ``lanes``. PostgreSQL: NOTIFY, sent at commit of the
+    current transaction, or at once in autocommit. SQLite: this process's idle workers,
+    after commit."""
     lanes = sorted(set(lanes))
     if not lanes:
         return
     if connection.vendor == "postgresql":
-        pairs: list[str] = []
-        for lane in lanes:
-            channels = [FREED_CHANNEL] if freed else lane_channels(lane)
-            pairs.extend(part for channel in channels for part in (channel, lane))
+        pairs = [
+            part for lane in lanes for channel in lane_channels(lane) for part in (channel, lane)
+        ]
         calls = ", ".join("pg_notify(%s, %s)" for _ in range(len(pairs) // 2))
         with connection.cursor() as cursor:
             cursor.execute(f"SELECT {calls}", pairs)
         return
     from django.db import transaction
 
-    transaction.on_commit(lambda: wake_local(lanes, freed))
+    transaction.on_commit(lambda: wake_local(lanes))
+
+
+def notify_freed() -> None:
+    """Wake every idle worker, whatever its lanes: a resource lock is free (a job blocked
+    on it may be in any lane). Sent like ``notify_lanes``."""
+    if connection.vendor == "postgresql":
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT pg_notify(%s, '')", [FREED_CHANNEL])
+        return
+    from django.db import transaction
+
+    transaction.on_commit(lambda: wake_local((), freed=True))
 
 
 # --- in-process wake-ups (SQLite, and every database within one process) --------------
@@ -178,12 +189,17 @@ class SideListener:
 
     def poll(self, timeout: float) -> list[psycopg.Notify] | None:
         """Notifications received within ``timeout`` seconds (those that arrived during
-        other statements first); None while not listening (the caller sleeps instead)."""
+        other statements first): returns as soon as one has arrived, with every other one
+        already there, so a wake-up is passed on at once (not at the end of the keeper's
+        tick); None while not listening (the caller sleeps instead)."""
         raw = self._ensure()
         if raw is None:
             return None
         try:
-            return list(raw.notifies(timeout=max(0.0, timeout)))
+            notes = list(raw.notifies(timeout=max(0.0, timeout), stop_after=1))
+            if notes:
+                notes += raw.notifies(timeout=0)
+            return notes
         except psycopg.Error as exc:
             log.warning("listen_lost", error=" ".join(str(exc).split()))
             self._on = None
