@@ -18,13 +18,14 @@ from django.test import Client
 from django.test.utils import CaptureQueriesContext
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from jobs import counts, engine, enqueueing, operations
 from jobs.models import Job, JobCount, OutcomeCount, State
 from jobs.sql import Claimed
 from jobs.status import queue_status
-from ops import tokens
+from ops import metrics, tokens
 
 from .helpers import claim_one, expire_lease, failure, run_json
 
@@ -263,3 +264,39 @@ def test_neither_queue_status_nor_a_scrape_scans_the_jobs_table() -> None:
                     assert not re.search(r"Seq Scan on jobs_job\b", plan), (query, plan)
         finally:
             cursor.execute("RESET enable_seqscan")
+
+
+def test_the_one_counter_migration_keeps_every_attempt_count() -> None:
+    """0010 moves jobs_attemptcount's rows into jobs_outcomecount as rows of no lane and
+    no state: the metrics keep their totals, the finished jobs' counts do not double."""
+    enqueueing.enqueue("test.echo")
+    engine.complete(claim_one())  # one attempt counted the new way
+    before = counts.by_lane()
+    with connection.cursor() as cursor:  # the old table, as 0003 made it
+        cursor.execute(
+            "CREATE TABLE jobs_attemptcount (kind varchar(200), outcome varchar(16),"
+            " bucket smallint, shard smallint, count bigint, seconds double precision)"
+        )
+        cursor.execute(
+            "INSERT INTO jobs_attemptcount VALUES ('test.echo', 'succeeded', 3, 0, 5, 1.5),"
+            " ('test.echo', 'succeeded', 3, 1, 2, 0.5), ('test.fail', 'failed', 0, 0, 4, 0.2)"
+        )
+    migration = importlib.import_module("jobs.migrations.0010_i16_one_attempt_counter")
+    migration.fold_counts(django_apps, SimpleNamespace(execute=connection.cursor().execute))
+    with connection.cursor() as cursor:
+        cursor.execute("DROP TABLE jobs_attemptcount")
+    folded = OutcomeCount.objects.filter(lane="", state="")
+    assert sorted(folded.values_list("kind", "outcome", "shard", "count")) == [
+        ("test.echo", "succeeded", 0, 5),
+        ("test.echo", "succeeded", 1, 2),
+        ("test.fail", "failed", 0, 4),
+    ]
+    assert counts.by_lane() == before  # finished jobs: still what the rows hold
+    scraped = {
+        (s.labels["kind"], s.labels["outcome"]): s.value
+        for family in text_string_to_metric_families(generate_latest(metrics.registry()).decode())
+        for s in family.samples
+        if s.name == "holdfast_job_attempts_total"
+    }
+    assert scraped[("test.echo", "succeeded")] == 8  # 5 + 2 folded, 1 since
+    assert scraped[("test.fail", "failed")] == 4
