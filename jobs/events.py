@@ -41,7 +41,7 @@ def events(job_id: int) -> list[JobEvent]:
             [] if ("claimed", lease.lease_token) in stored else [_claimed(lease, lease_seconds)]
         )
         settled = [_settled(lease)] if _settles(lease, stored) else []
-        attempts.append([*claimed, *_stored_first("claimed", by_token), *settled])
+        attempts.append([*claimed, *sorted(by_token, key=_attempt_order), *settled])
     tokens = {lease.lease_token for lease in leases}
     between = [row for row in rows if row.lease_token not in tokens]
     return _interleave(attempts, leases, between)
@@ -55,9 +55,10 @@ def _settles(lease: Lease, stored: set[tuple[str, int | None]]) -> bool:
     return lease.settled_state is not None and ("settled", lease.lease_token) not in stored
 
 
-def _stored_first(event: str, rows: list[JobEvent]) -> list[JobEvent]:
-    """An old worker's stored ``claimed`` row first, its ``settled`` row last."""
-    return sorted(rows, key=lambda row: (row.event != event, row.event == "settled"))
+def _attempt_order(row: JobEvent) -> int:
+    """Within an attempt: an old worker's stored ``claimed`` row first, its ``settled``
+    row last, the others in between (the sort is stable: insertion order)."""
+    return {"claimed": 0, "settled": 2}.get(row.event, 1)
 
 
 def _claimed(lease: Lease, lease_seconds: float) -> JobEvent:
