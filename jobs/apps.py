@@ -11,8 +11,10 @@ class JobsConfig(AppConfig):
         # holdfast.E010-E012) only once imported: import it now, so `manage.py check` on a
         # clean start reports a bad TASKS setting instead of the first enqueue.
         import django.tasks  # noqa: F401
+        from django.db.backends.signals import connection_created
 
-        from . import checks, defaults, log  # noqa: F401  (checks registers on import)
+        from . import checks, defaults, log, sql  # noqa: F401  (checks registers on import)
 
         defaults.apply()
         log.configure()
+        connection_created.connect(sql.configure_session, dispatch_uid="holdfast.session")

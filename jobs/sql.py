@@ -775,6 +775,7 @@ RECLAIM_STATEMENT_TIMEOUT_MS = 60_000
 RECLAIM_BATCH = 10_000
 
 PG_HEARTBEAT_SETTINGS = f"""
+SET LOCAL jit TO off;
 SET LOCAL synchronous_commit TO off;
 SET LOCAL lock_timeout TO '{ENGINE_LOCK_TIMEOUT_MS}ms';
 SET LOCAL statement_timeout TO '{HEARTBEAT_STATEMENT_TIMEOUT_MS}ms';
@@ -854,6 +855,7 @@ def _last_row(query: str, params: dict[str, Any]) -> Any:
 # lease token are deleted, never those of a live lease. ``run_at`` is left alone: the job
 # keeps its place in the queue.
 PG_RECLAIM_SETTINGS = f"""
+SET LOCAL jit TO off;
 SET LOCAL lock_timeout TO '{ENGINE_LOCK_TIMEOUT_MS}ms';
 SET LOCAL statement_timeout TO '{{timeout_ms}}ms';
 """
@@ -1211,6 +1213,46 @@ def _pg_prepared(query: str, params: dict[str, Any]) -> Any:
     with connection.wrap_database_errors, psycopg.RawCursor(raw) as cursor:
         cursor.execute(text, [params[name] for name in names], prepare=prepare)
         return cursor.fetchone()
+
+
+# The session settings of a connection the engine may use (sent once per connection by
+# ``configure_session``). JIT compiles a plan whose estimated cost passes
+# ``jit_above_cost``: the claim's walk (recursive CTEs, whose row estimates grow tenfold a
+# level) estimates past it once jobs_job has statistics, and compiling takes tens of
+# milliseconds for a statement that runs in a fraction of one, on every execution. A
+# generic plan: the hot path's parameters (ids, tokens, lane and kind lists) never change
+# which plan is best, and a custom plan is planned again on every execution (about 1 ms
+# for the claim), which the server chooses whenever its estimate of the generic one is
+# higher (after ANALYZE with a blocked backlog, for one).
+PG_SESSION_SETTINGS = "SET jit TO off; SET plan_cache_mode TO force_generic_plan"
+
+
+def configure_session(sender: Any, connection: Any, **kwargs: Any) -> None:
+    """``connection_created`` receiver: the engine's session settings on a new PostgreSQL
+    connection, when the session is the process's own (prepared statements on). Behind a
+    transaction-mode pooler a session setting would stay on a server connection other
+    clients get next, so nothing is set; docs/deployment.md says to set ``jit`` off for
+    the role there."""
+    if connection.vendor != "postgresql" or not prepared_statements():
+        return
+    with connection.cursor() as cursor:
+        cursor.execute(PG_SESSION_SETTINGS)
+
+
+def warn_if_jit() -> None:
+    """Log ``jit_enabled`` when this session compiles plans: behind a pooler (prepared
+    statements off) ``configure_session`` sets nothing, and the claim may then pay tens
+    of milliseconds of JIT compilation on every execution."""
+    if not is_postgres() or prepared_statements():
+        return
+    with connection.cursor() as cursor:
+        cursor.execute("SHOW jit")
+        if cursor.fetchone()[0] == "on":
+            log.warning(
+                "jit_enabled",
+                hint="JIT compiling slows every claim: ALTER ROLE <role> SET jit = off "
+                "(docs/deployment.md, behind a pooler)",
+            )
 
 
 def _raw_connection() -> tuple[Any, bool]:

@@ -14,6 +14,7 @@ from datetime import timedelta
 from django.conf import settings
 from django.db.models.functions import Now
 
+from . import sql
 from .log import get_logger
 from .models import Worker
 
@@ -44,6 +45,7 @@ def register_worker(
         },
     )
     log.info("worker_started", worker_id=worker_id, lanes=list(lanes) if lanes else "all")
+    sql.warn_if_jit()
 
 
 def worker_heartbeat(worker_id: str, current_job: int | None) -> None:
