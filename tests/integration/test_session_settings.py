@@ -26,7 +26,7 @@ def server_default(name: str) -> str:
         return str(cursor.fetchone()[0])
 
 
-def test_a_direct_connection_compiles_nothing_and_keeps_generic_plans():
+def test_a_direct_connection_compiles_nothing_and_keeps_generic_plans() -> None:
     connection.close()  # a fresh connection: connection_created runs
     assert show("jit") == "off"
     assert show("plan_cache_mode") == "force_generic_plan"
@@ -38,7 +38,7 @@ def warned() -> bool:
     return any(entry["event"] == "jit_enabled" for entry in logs)
 
 
-def test_behind_a_pooler_the_session_is_left_as_the_server_has_it():
+def test_behind_a_pooler_the_session_is_left_as_the_server_has_it() -> None:
     with override_settings(HOLDFAST_PREPARED_STATEMENTS=False):
         connection.close()
         try:
