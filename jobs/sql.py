@@ -208,7 +208,7 @@ PG_SLOT = f"""slot AS (
     LIMIT 1
 )"""
 # A job of a limited lane is claimed only with a slot.
-PG_SLOT_GUARD = "AND (candidate.lane <> ALL(%(limited)s::text[]) OR EXISTS (SELECT 1 FROM slot))"
+PG_SLOT_GUARD = "AND (job.lane <> ALL(%(limited)s::text[]) OR EXISTS (SELECT 1 FROM slot))"
 
 PG_TAKE = f"""claimed AS (
     UPDATE jobs_job AS job SET
@@ -220,8 +220,9 @@ PG_TAKE = f"""claimed AS (
         heartbeat_at = statement_timestamp(),
         started_at = statement_timestamp(),
         updated_at = statement_timestamp()
-    FROM candidate
-    WHERE job.id = candidate.id AND job.state = 'queued' {{slot_guard}}
+    -- By the candidate's id as a scalar: joined to the CTE instead, a table without
+    -- statistics was planned as a walk of every queued row (job_due_idx) per claim.
+    WHERE job.id = (SELECT id FROM candidate) AND job.state = 'queued' {{slot_guard}}
     RETURNING {_columns("job")}
 ), lease AS (
     -- acquired_at: the clock while the statement runs, after its snapshot, so no attempt
@@ -1237,6 +1238,24 @@ def configure_session(sender: Any, connection: Any, **kwargs: Any) -> None:
         return
     with connection.cursor() as cursor:
         cursor.execute(PG_SESSION_SETTINGS)
+
+
+def analyze_if_never_analyzed() -> None:
+    """``ANALYZE jobs_job`` when the server has never analyzed it (``reltuples`` -1: a new
+    install, autovacuum not yet round, or off). Without statistics the planner takes the
+    small partial indexes for the cheapest way to any row, and the claim's update found
+    its candidate by walking every queued row (job_due_idx) instead of by primary key.
+    Run once by a starting worker; a failure (a role that may not analyze) is logged."""
+    if not is_postgres():
+        return
+    try:
+        with transaction.atomic(), connection.cursor() as cursor:
+            cursor.execute("SELECT reltuples < 0 FROM pg_class WHERE oid = 'jobs_job'::regclass")
+            if cursor.fetchone()[0]:
+                cursor.execute("ANALYZE jobs_job")
+                log.info("jobs_table_analyzed")
+    except DatabaseError as exc:
+        log.warning("analyze_failed", error=" ".join(str(exc).split()))
 
 
 def warn_if_jit() -> None:

@@ -46,6 +46,7 @@ def register_worker(
     )
     log.info("worker_started", worker_id=worker_id, lanes=list(lanes) if lanes else "all")
     sql.warn_if_jit()
+    sql.analyze_if_never_analyzed()
 
 
 def worker_heartbeat(worker_id: str, current_job: int | None) -> None:

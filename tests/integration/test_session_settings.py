@@ -52,3 +52,26 @@ def test_behind_a_pooler_the_session_is_left_as_the_server_has_it() -> None:
             assert not warned()
         finally:
             connection.close()
+
+
+def reltuples() -> float:
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT reltuples FROM pg_class WHERE oid = 'jobs_job'::regclass")
+        return float(cursor.fetchone()[0])
+
+
+def test_a_starting_worker_analyzes_a_jobs_table_the_server_never_analyzed() -> None:
+    # Without statistics the claim's update walked every queued row (job_due_idx).
+    from jobs import enqueueing
+
+    enqueueing.enqueue_many("test.noop", [{}] * 50)
+    with connection.cursor() as cursor:  # as a new install: never analyzed nor vacuumed
+        cursor.execute("UPDATE pg_class SET reltuples = -1 WHERE oid = 'jobs_job'::regclass")
+    assert reltuples() < 0
+    with capture_logs() as logs:
+        workers.register_worker("analyze-w", None)
+    assert reltuples() >= 50
+    assert any(entry["event"] == "jobs_table_analyzed" for entry in logs)
+    with capture_logs() as logs:  # analyzed once: the next worker leaves it to autovacuum
+        workers.register_worker("analyze-w2", None)
+    assert not any(entry["event"] == "jobs_table_analyzed" for entry in logs)
