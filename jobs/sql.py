@@ -171,17 +171,24 @@ PG_WALK = f"""pairs(lane, p) AS (
                         ORDER BY priority DESC LIMIT 1)
     FROM pairs WHERE pairs.p IS NOT NULL
 ), heads AS (
-    SELECT pairs.lane, pairs.p, head.run_at, head.id, first_due.id AS first_id
+    -- Each pair's head: its first due row whose locks are all free. The first due row is
+    -- read once; only when it has locks is the range probed again for a free one (the
+    -- gate on first_due.free is a one-time filter: no probe at all otherwise).
+    SELECT pairs.lane, pairs.p,
+           CASE WHEN first_due.free THEN first_due.run_at ELSE past.run_at END AS run_at,
+           CASE WHEN first_due.free THEN first_due.id ELSE past.id END AS id,
+           first_due.id AS first_id
     FROM pairs LEFT JOIN LATERAL (
-        SELECT run_at, id FROM jobs_job
-        WHERE lane = pairs.lane AND priority = pairs.p AND {_DUE} AND {_FREE}
-        ORDER BY run_at, id
-        LIMIT 1) AS head ON true
-    LEFT JOIN LATERAL (
-        SELECT id FROM jobs_job
+        SELECT run_at, id, locks = '[]'::jsonb AS free FROM jobs_job
         WHERE lane = pairs.lane AND priority = pairs.p AND {_DUE}
         ORDER BY run_at, id
         LIMIT 1) AS first_due ON true
+    LEFT JOIN LATERAL (
+        SELECT run_at, id FROM jobs_job
+        WHERE NOT first_due.free
+          AND lane = pairs.lane AND priority = pairs.p AND {_DUE} AND {_FREE}
+        ORDER BY run_at, id
+        LIMIT 1) AS past ON true
     WHERE pairs.p IS NOT NULL
 ), candidate AS (
     SELECT pick.id, pick.lane
