@@ -81,7 +81,13 @@ class Job(models.Model):
                 condition=Q(state="queued", blocked_by__isnull=False),
             ),
             # An idle worker's "when is the next job due?" (jobs.worker): a short range scan.
-            models.Index(fields=["run_at"], name="job_due_idx", condition=Q(state="queued")),
+            # Not implied by a bare ``state = 'queued'`` guard (migration 0011_i16), so no
+            # update of one queued job is ever planned through it.
+            models.Index(
+                fields=["run_at"],
+                name="job_next_due_idx",
+                condition=Q(state="queued", blocked_by__isnull=True),
+            ),
             # Also how reclaim finds the running rows (few: one per busy worker) to test
             # their expiry. No index holds lease_expires_at or heartbeat_at, so a heartbeat
             # is a HOT update (migration 0007_i16 leaves room on each page for it).

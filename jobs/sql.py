@@ -227,8 +227,8 @@ PG_TAKE = f"""claimed AS (
         heartbeat_at = statement_timestamp(),
         started_at = statement_timestamp(),
         updated_at = statement_timestamp()
-    -- By the candidate's id as a scalar: joined to the CTE instead, a table without
-    -- statistics was planned as a walk of every queued row (job_due_idx) per claim.
+    -- By the candidate's id (no partial index's condition is implied by the guard alone:
+    -- migration 0011_i16, so a table without statistics still goes by primary key).
     WHERE job.id = (SELECT id FROM candidate) AND job.state = 'queued' {{slot_guard}}
     RETURNING {_columns("job")}
 ), lease AS (
@@ -1251,7 +1251,7 @@ def analyze_if_never_analyzed() -> None:
     """``ANALYZE jobs_job`` when the server has never analyzed it (``reltuples`` -1: a new
     install, autovacuum not yet round, or off). Without statistics the planner takes the
     small partial indexes for the cheapest way to any row, and the claim's update found
-    its candidate by walking every queued row (job_due_idx) instead of by primary key.
+    its candidate by walking every queued row (then job_due_idx) instead of by primary key.
     Run once by a starting worker; a failure (a role that may not analyze) is logged."""
     if not is_postgres():
         return

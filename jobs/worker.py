@@ -198,7 +198,7 @@ class WorkerProcess:
 
     def _idle_wait(self) -> float:
         """How long to sleep idle: until the next job of this worker's lanes falls due,
-        at most ``poll_seconds`` (one look-up on the partial index ``job_due_idx``)."""
+        at most ``poll_seconds`` (one look-up on the partial index ``job_next_due_idx``)."""
         try:
             due_in = next_due_in(self.lanes, self.poll_seconds)
         except DatabaseError:
@@ -611,9 +611,14 @@ class WorkerProcess:
 
 def next_due_in(lanes: Sequence[str] | None, horizon: float) -> float | None:
     """Seconds until the next queued job of ``lanes`` (None: any) falls due, if one does
-    within ``horizon`` seconds: a range scan of ``job_due_idx``, bounded by the horizon."""
+    within ``horizon`` seconds: a range scan of ``job_next_due_idx``, bounded by the
+    horizon. A job blocked on a lock is left out: it runs when the lock frees (the
+    freed-lock wake-up), not at a time."""
     due = Job.objects.filter(
-        state=State.QUEUED, run_at__gt=Now(), run_at__lte=Now() + timedelta(seconds=horizon)
+        state=State.QUEUED,
+        blocked_by__isnull=True,
+        run_at__gt=Now(),
+        run_at__lte=Now() + timedelta(seconds=horizon),
     )
     if lanes is not None:
         due = due.filter(lane__in=lanes)

@@ -129,3 +129,22 @@ def test_lookups_keep_an_index(sql, index):
     plan = plan_of(sql, seqscan=False)
     assert index in plan, plan
     assert "Seq Scan" not in plan, plan
+
+
+def test_claim_takes_its_candidate_by_primary_key_even_on_a_table_never_analyzed():
+    """The claim's update finds the row its walk chose by id. Joined to the candidate CTE
+    instead, a table with no statistics (a new install, autovacuum off or not yet round)
+    was planned as a scan of every queued row (job_due_idx) per claim, as a generic
+    prepared plan for good."""
+    enqueueing.enqueue_many("test.noop", [{} for _ in range(3_000)])
+    params = {"worker": "w", "kinds": ["test.noop"]}
+    with connection.cursor() as cursor:
+        cursor.execute("UPDATE pg_class SET reltuples = -1 WHERE oid = 'jobs_job'::regclass")
+        cursor.execute("SELECT 1 FROM pg_statistic WHERE starelid = 'jobs_job'::regclass")
+        cursor.execute("DELETE FROM pg_statistic WHERE starelid = 'jobs_job'::regclass")
+        cursor.execute("SET LOCAL plan_cache_mode = force_generic_plan")
+        cursor.execute("EXPLAIN " + pg_claim(False, False, True), params)
+        plan = "\n".join(row[0] for row in cursor.fetchall())
+    update = plan.split("CTE claimed")[1].split("CTE lease")[0]
+    assert "Index Scan using jobs_job_pkey on jobs_job job" in update, plan
+    assert "Index Cond: (id = " in update, plan
