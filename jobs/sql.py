@@ -1582,8 +1582,13 @@ def _kind_filter(kinds: Sequence[str] | None, params: dict[str, Any]) -> str:
     """
     if kinds is None:
         return ""
-    params["kinds"] = json.dumps(list(kinds))
+    params["kinds"] = _kinds_json(tuple(kinds))
     return " AND kind IN (SELECT value FROM json_each(%(kinds)s))"
+
+
+@functools.lru_cache(maxsize=64)  # a worker's kinds are the same on every claim
+def _kinds_json(kinds: tuple[str, ...]) -> str:
+    return json.dumps(list(kinds))
 
 
 def _settle_params(job: Claimed, how: Settlement) -> dict[str, Any]:
@@ -1602,7 +1607,7 @@ def _settle_params(job: Claimed, how: Settlement) -> dict[str, Any]:
         "error_class": how.error_class,
         "error_message": how.error_message,
         "traceback": how.traceback,
-        "context": json.dumps(how.context or {}, default=str),
+        "context": json.dumps(how.context, default=str) if how.context else "{}",
         "delay": how.delay,
         "delay_modifier": f"{how.delay:+.3f} seconds",
     }
@@ -1612,7 +1617,9 @@ def _claimed(row: Sequence[Any]) -> Claimed:
     args, locks = row[3], row[9]
     if isinstance(args, str | bytes):
         args = json.loads(args)
-    if isinstance(locks, str | bytes):
+    if locks == "[]":  # SQLite's text for no locks, most jobs'
+        locks = ()
+    elif isinstance(locks, str | bytes):
         locks = json.loads(locks)
     return Claimed(
         id=row[0],
@@ -1633,7 +1640,10 @@ def _claimed(row: Sequence[Any]) -> Claimed:
 def _as_datetime(value: datetime | str) -> datetime:
     if isinstance(value, datetime):
         return value if value.tzinfo else value.replace(tzinfo=UTC)
-    parsed = parse_datetime(value)
+    try:  # SQLite's 'YYYY-MM-DD HH:MM:SS.fff': no regular expression needed
+        parsed: datetime | None = datetime.fromisoformat(value)
+    except ValueError:
+        parsed = parse_datetime(value)
     if parsed is None:
         raise ValueError(f"not a timestamp: {value!r}")
     return parsed.replace(tzinfo=UTC)
