@@ -49,10 +49,12 @@ class JobContext:
         self.result: Any = None
         self._pending_progress: tuple[int, int | None, str] | None = None
         self._progress_written_at = -math.inf
-        self._lease_lost = threading.Event()
-        self._cancel_requested = threading.Event()
-        if job.cancel_requested:  # asked while an earlier attempt ran, and not honoured
-            self._cancel_requested.set()
+        # Flags the lease keeper sets from its thread and the handler's reads: a plain
+        # attribute is set and read whole (nothing waits on them; an Event per flag per
+        # job was a measurable part of a no-op job's cost).
+        self._lease_lost = False
+        # Asked while an earlier attempt ran, and not honoured: set from the start.
+        self._cancel_requested = bool(job.cancel_requested)
 
     job_id = property(lambda self: self.job.id)
     kind = property(lambda self: self.job.kind)
@@ -65,18 +67,23 @@ class JobContext:
     @property
     def lease_lost(self) -> bool:
         """True once a heartbeat found the lease gone: nothing committed now can land."""
-        return self._lease_lost.is_set()
+        return self._lease_lost
 
     @property
     def cancel_requested(self) -> bool:
         """True once an operator asked to cancel this job; stop at a safe point."""
-        return self._cancel_requested.is_set()
+        return self._cancel_requested
+
+    @property
+    def progress_pending(self) -> bool:
+        """A progress value the throttle holds back, not written yet."""
+        return self._pending_progress is not None
 
     def mark_lease_lost(self) -> None:
-        self._lease_lost.set()
+        self._lease_lost = True
 
     def mark_cancel_requested(self) -> None:
-        self._cancel_requested.set()
+        self._cancel_requested = True
 
     @contextmanager
     def atomic(self, complete: bool = False, result: Any = None) -> Iterator[None]:

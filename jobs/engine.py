@@ -11,6 +11,7 @@ Every transition logs one structlog event.
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -169,6 +170,8 @@ def storable(value: Any) -> Any:
     return value
 
 
+# The common verdict, built once: the handler returned None.
+SUCCEEDED = succeeded(None)
 # Graceful shutdown gives the job back: queued again, this attempt not charged.
 RELEASED = Verdict(Settlement(State.QUEUED, Outcome.RELEASED, uncharge=True), "job_released", {})
 # The handler honoured a cancellation request.
@@ -243,21 +246,28 @@ def cancelled(job: Claimed) -> None:
 _claimed_at: dict[int, float] = {}
 # A settle's log level: a dead job wants someone's attention, a retry is a warning.
 SETTLE_LEVELS = {"job_dead": "error", "job_retry_scheduled": "warning"}
+SETTLE_NUMERIC_LEVELS = {"job_dead": logging.ERROR, "job_retry_scheduled": logging.WARNING}
 
 
 def _log_claimed(job: Claimed | None, worker_id: str) -> None:
     if job is not None:
         _claimed_at[job.lease_id] = time.monotonic()
-        log.info(
-            "job_claimed",
-            expires_at=job.lease_expires_at.isoformat(),
-            **job_log_context(job, worker_id),
-        )
+        if log.is_enabled_for(logging.INFO):  # else the line's fields are never built
+            log.info(
+                "job_claimed",
+                expires_at=job.lease_expires_at.isoformat(),
+                **job_log_context(job, worker_id),
+            )
 
 
 def _log_settled(job: Claimed, verdict: Verdict, settled: bool) -> bool:
-    identity = job_log_context(job)
     started = _claimed_at.pop(job.lease_id, None)
+    level = logging.WARNING
+    if settled:
+        level = SETTLE_NUMERIC_LEVELS.get(verdict.event, logging.INFO)
+    if not log.is_enabled_for(level):  # below LOG_LEVEL: the line's fields are never built
+        return settled
+    identity = job_log_context(job)
     if started is not None:
         identity["duration_ms"] = round((time.monotonic() - started) * 1000, 1)
     if settled:

@@ -253,30 +253,36 @@ class WorkerProcess:
             self._current_since = time.monotonic()
         bound = engine.job_log_context(job, self.worker_id)
         structlog.contextvars.bind_contextvars(**bound)
+        following: Claimed | None = None
         try:
             verdict = self._execute(job, ctx)
-            if verdict is not None:
+            if verdict is not None and ctx.progress_pending:
                 self._quietly(functools.partial(_flush_progress, ctx))  # throttle's last value
             ctx.settling = True  # from here on a heartbeat may rightly find the job settled
             if ctx.cancel_requested and verdict is not engine.CANCELLED:
                 # Recorded on the job too: its `settled` event says cancel_requested.
                 log.warning("cancel_not_honoured", outcome=verdict.event if verdict else "done")
-            return self._settle(job, verdict)
+            following = self._settle(job, verdict)
+            return following
         finally:
             with self._current_lock:
                 self.current = None
-            structlog.contextvars.unbind_contextvars(*bound)
-            structlog.contextvars.bind_contextvars(worker_id=self.worker_id)
+            if following is None:
+                structlog.contextvars.unbind_contextvars(*bound)
+                structlog.contextvars.bind_contextvars(worker_id=self.worker_id)
+            # else the next job's _run binds its identity over these same keys at once:
+            # no line is logged in between.
             self.processed += 1
 
     def _execute(self, job: Claimed, ctx: JobContext) -> engine.Verdict | None:
         """Run the handler; return the verdict to write (None: nothing left to write)."""
         try:
             spec = get_handler(job.kind)
-            bound = _bind(spec, ctx, job.args)
-            result = spec.func(*bound.args, **bound.kwargs)
+            result = _call(spec, ctx, job.args)
             if ctx.completed:
                 return None  # committed inside ctx.atomic(complete=True)
+            if result is None:
+                return engine.SUCCEEDED
             _check_json(result)
             return engine.succeeded(result)
         except LeaseLost:
@@ -652,6 +658,51 @@ def _retryable(exc: BaseException) -> bool:
 @functools.cache
 def _signature(func: Callable[..., Any]) -> inspect.Signature:
     return inspect.signature(func)  # about 50 µs: once per handler, not once per job
+
+
+@functools.cache
+def _keywords(func: Callable[..., Any]) -> tuple[str, frozenset[str], frozenset[str], bool] | None:
+    """For a handler ``(ctx, <keyword parameters>, **kwargs)``: the name of its first
+    parameter (``ctx``), the names it takes by keyword, those without a default, and
+    whether it takes any other keyword (``**``).
+    None for any other shape (positional-only or ``*args`` parameters after ``ctx``)."""
+    params = list(_signature(func).parameters.values())
+    if not params or params[0].kind not in (
+        inspect.Parameter.POSITIONAL_ONLY,
+        inspect.Parameter.POSITIONAL_OR_KEYWORD,
+    ):
+        return None
+    named, required, var_keyword = set(), set(), False
+    for param in params[1:]:
+        if param.kind is inspect.Parameter.VAR_KEYWORD:
+            var_keyword = True
+        elif param.kind in (
+            inspect.Parameter.POSITIONAL_OR_KEYWORD,
+            inspect.Parameter.KEYWORD_ONLY,
+        ):
+            named.add(param.name)
+            if param.default is inspect.Parameter.empty:
+                required.add(param.name)
+        else:
+            return None
+    return params[0].name, frozenset(named), frozenset(required), var_keyword
+
+
+def _call(spec: HandlerSpec, ctx: JobContext, args: dict[str, Any]) -> Any:
+    """Call the handler with the job's args, checked against its signature first: a
+    mismatch is a ``PermanentError`` and the handler never runs.
+
+    When the args plainly fit (every required keyword given, none it does not take) the
+    handler is called at once; anything else goes through ``inspect.Signature.bind``,
+    which decides and words the error (``_bind``)."""
+    shape = _keywords(spec.func)
+    if shape is not None:
+        first, named, required, var_keyword = shape
+        keys = args.keys()
+        if required <= keys and (var_keyword or keys <= named) and first not in keys:
+            return spec.func(ctx, **args)
+    bound = _bind(spec, ctx, args)
+    return spec.func(*bound.args, **bound.kwargs)
 
 
 def _bind(spec: HandlerSpec, ctx: JobContext, args: dict[str, Any]) -> inspect.BoundArguments:
