@@ -202,11 +202,16 @@ def _insert_new(
     """Insert jobs without unique keys, with the wake-up; the new jobs in args order.
 
     PostgreSQL: one statement per 10,000 jobs (the first also sends the NOTIFY), so a single
-    job outside a transaction is one round trip and one commit. SQLite: one executemany.
+    job outside a transaction is one round trip and one commit; from ``sql.COPY_THRESHOLD``
+    jobs on, one statement draws the ids (and sends the NOTIFY) and COPY writes the rows,
+    in a savepoint or a transaction of its own (``_copy_new``). SQLite: one executemany.
     """
     delay_seconds = delay.total_seconds() if isinstance(delay, timedelta) else delay
     jobs: list[Job] = []
-    if sql.is_postgres():
+    if sql.is_postgres() and len(args_list) >= sql.COPY_THRESHOLD:
+        with transaction.atomic():  # a savepoint inside the caller's transaction
+            _copy_new(jobs, common, args_list, locks, delay_seconds, run_at, delay)
+    elif sql.is_postgres():
         size = sql.BULK_INSERT_CHUNK
         starts = range(0, len(args_list), size)
         texts = (
@@ -241,6 +246,34 @@ def _insert_new(
                 _notify(common["lane"])  # this process's idle workers, after commit
         _add_jobs(jobs, common, ids, job_run_at, created_at, args_list, locks)
     return jobs
+
+
+def _copy_new(
+    jobs: list[Job],
+    common: dict[str, Any],
+    args_list: list[dict[str, Any]],
+    locks: list[list[str]] | None,
+    delay_seconds: float | None,
+    run_at: datetime | None,
+    delay: float | timedelta | None,
+) -> None:
+    """PostgreSQL, a large batch, inside a transaction: draw the ids (with the clock and
+    the wake-up), then COPY the rows in chunks, building each chunk's jobs while the
+    server copies the one before. The args were validated (``_args_array``): encoding
+    them one by one cannot fail."""
+    channels = _wake_up(common["lane"], delay, run_at)
+    ids, job_run_at, created_at = sql.draw_job_ids(
+        len(args_list), delay_seconds, run_at, channels, common["lane"]
+    )
+    encode = ARGS_ENCODER.encode
+    size = sql.COPY_CHUNK
+    with sql.copy_jobs(common, job_run_at, created_at) as write:
+        for start in range(0, len(args_list), size):
+            end = start + size
+            chunk = args_list[start:end]
+            chunk_locks = locks[start:end] if locks else None
+            write(ids[start:end], [encode(args) for args in chunk], chunk_locks)
+            _add_jobs(jobs, common, ids[start:end], job_run_at, created_at, chunk, chunk_locks)
 
 
 def _add_jobs(

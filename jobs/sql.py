@@ -28,10 +28,11 @@ from __future__ import annotations
 import functools
 import json
 import re
+import struct
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import psycopg
@@ -469,6 +470,31 @@ SELECT (SELECT array_agg(id ORDER BY id) FROM new),
        (SELECT count(pg_notify(channel, %(payload)s::text))
         FROM unnest(%(channels)s::text[]) AS channel)
 """
+
+# Enqueue of a large batch (``COPY_THRESHOLD`` jobs or more): the server's cost is the
+# insert itself, and COPY inserts rows in batches (one WAL record per heap page, not per
+# row). COPY returns nothing, so one statement first draws the ids (``nextval`` of the
+# identity column's sequence, ascending: the caller's order), reads the database clock
+# exactly as ``PG_INSERT_JOBS`` does, and sends the wake-up, which the transaction delivers
+# only if the rows commit. With the ids known, the caller builds its jobs while the server
+# copies the rows it already sent.
+COPY_THRESHOLD = 10_000  # below it the one-statement insert is faster (measured)
+COPY_CHUNK = 5000  # rows per write: the server copies one while the next is built
+PG_DRAW_JOB_IDS = """
+SELECT (SELECT array_agg(id ORDER BY id)
+        FROM (SELECT nextval({sequence}::regclass) AS id
+              FROM generate_series(1, %(count)s::integer)) AS drawn),
+       COALESCE(%(run_at)s::timestamptz,
+                statement_timestamp() + %(delay)s::float8 * interval '1 second'),
+       statement_timestamp(),
+       (SELECT count(pg_notify(channel, %(payload)s::text))
+        FROM unnest(%(channels)s::text[]) AS channel)
+"""
+PG_COPY_JOBS = (
+    "COPY jobs_job (id, args, locks, kind, lane, priority, state, run_at, attempts, "
+    "max_attempts, lease_seconds, lease_token, cancel_requested, last_error, created_at, "
+    "updated_at) FROM STDIN (FORMAT BINARY)"
+)
 
 # SQLite: one executemany in the caller's (IMMEDIATE) transaction; the timestamps are read
 # once from the database clock before it, the ids after it (the write lock is held, and
@@ -1534,6 +1560,116 @@ def _pg_pipelined(query: str, params_list: list[dict[str, Any]]) -> Iterator[Any
         for cursor in cursors:
             with cursor:
                 yield cursor.fetchone()
+
+
+@functools.cache
+def _job_id_sequence() -> str:
+    """The sequence behind ``jobs_job.id`` (an identity column), as a SQL literal; read
+    once per process."""
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT quote_literal(pg_get_serial_sequence('jobs_job', 'id'))")
+        return str(cursor.fetchone()[0])
+
+
+def draw_job_ids(
+    count: int, delay: float | None, run_at: datetime | None, notify: Sequence[str], lane: str
+) -> tuple[list[int], datetime, datetime]:
+    """PostgreSQL, inside a transaction: ``count`` new job ids (ascending), the jobs'
+    run_at and created_at from the database clock, and the NOTIFY on each of ``notify``
+    (payload: ``lane``) for ``copy_jobs``."""
+    raw, prepare = _raw_connection()
+    text, names = _native(PG_DRAW_JOB_IDS.format(sequence=_job_id_sequence()))
+    params = {
+        "count": count,
+        "run_at": run_at,
+        "delay": delay or 0.0,
+        "payload": lane,
+        "channels": list(notify),
+    }
+    with connection.wrap_database_errors, psycopg.RawCursor(raw) as cursor:
+        cursor.execute(text, [params[name] for name in names], prepare=prepare, binary=True)
+        row: Any = cursor.fetchone()  # one row, always
+    ids, job_run_at, created_at, _ = row
+    return ids, _as_datetime(job_run_at), _as_datetime(created_at)
+
+
+_COPY_HEADER = b"PGCOPY\n\xff\r\n\x00" + struct.pack(">ii", 0, 0)
+_COPY_TRAILER = struct.pack(">h", -1)
+_POSTGRES_EPOCH = datetime(2000, 1, 1, tzinfo=UTC)
+_EMPTY_LOCKS = struct.pack(">i", 3) + b"\x01[]"
+
+
+def _copy_field(value: bytes) -> bytes:
+    return struct.pack(">i", len(value)) + value
+
+
+def _copy_timestamp(value: datetime) -> bytes:
+    return _copy_field(struct.pack(">q", (value - _POSTGRES_EPOCH) // timedelta(microseconds=1)))
+
+
+@contextmanager
+def copy_jobs(
+    common: Mapping[str, Any], run_at: datetime, created_at: datetime
+) -> Iterator[Callable[[Sequence[int], Sequence[str], Sequence[list[str]] | None], None]]:
+    """PostgreSQL, inside a transaction: COPY queued jobs sharing ``common`` options into
+    jobs_job with the ids and timestamps ``draw_job_ids`` gave. Yields ``write(ids,
+    args_texts, locks)``, which sends one batch of rows (``locks``: one list per job, or
+    None for none); the rows are the ones ``PG_INSERT_JOBS`` writes, column for column.
+
+    Binary format, each row built from two bytes objects around the job's id and args:
+    every other column is the same for all the rows, encoded once.
+    """
+    stamp = _copy_timestamp(created_at)
+    constant = b"".join(
+        [
+            _copy_field(common["kind"].encode()),
+            _copy_field(common["lane"].encode()),
+            _copy_field(struct.pack(">h", common["priority"])),
+            _copy_field(b"queued"),
+            _copy_timestamp(run_at),
+            _copy_field(struct.pack(">i", 0)),  # attempts
+            _copy_field(struct.pack(">i", common["max_attempts"])),
+            _copy_field(struct.pack(">d", common["lease_seconds"])),
+            _copy_field(struct.pack(">q", 0)),  # lease_token
+            _copy_field(b"\x00"),  # cancel_requested
+            _copy_field(b""),  # last_error
+            stamp,  # created_at
+            stamp,  # updated_at
+        ]
+    )
+    head = struct.Struct(">hiqi").pack  # field count; id (length, value); args' length
+    raw, _ = _raw_connection()
+
+    def write(ids: Sequence[int], texts: Sequence[str], locks: Sequence[list[str]] | None) -> None:
+        if locks is None:
+            tail = _EMPTY_LOCKS + constant
+            data = b"".join(
+                [
+                    head(16, 8, pk, len(text) + 1) + b"\x01" + text.encode() + tail
+                    for pk, text in zip(ids, texts, strict=True)
+                ]
+            )
+        else:
+            data = b"".join(
+                [
+                    head(16, 8, pk, len(text) + 1)
+                    + b"\x01"
+                    + text.encode()
+                    + _copy_field(b"\x01" + json.dumps(names).encode())
+                    + constant
+                    for pk, text, names in zip(ids, texts, locks, strict=True)
+                ]
+            )
+        copy.write(data)
+
+    with (
+        connection.wrap_database_errors,
+        raw.cursor() as cursor,
+        cursor.copy(PG_COPY_JOBS) as copy,
+    ):
+        copy.write(_COPY_HEADER)
+        yield write
+        copy.write(_COPY_TRAILER)
 
 
 def sqlite_insert_jobs(

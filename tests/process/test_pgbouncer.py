@@ -146,6 +146,8 @@ def test_through_pgbouncer_with_a_direct_listen_connection(
         "from jobs import sql\n"
         "from jobs.enqueueing import enqueue_many\n"
         "sql.BULK_INSERT_CHUNK = 7  # six statements, pipelined through the pooler\n"
+        "enqueue_many('test.sleep', [{'seconds': 0.02}] * 40)\n"
+        "sql.COPY_THRESHOLD, sql.COPY_CHUNK = 30, 7  # ids drawn, then COPY in six writes\n"
         "enqueue_many('test.sleep', [{'seconds': 0.02}] * 40)\n",
         env=env,
     )
