@@ -1617,7 +1617,8 @@ def copy_jobs(
     None for none); the rows are the ones ``PG_INSERT_JOBS`` writes, column for column.
 
     Binary format, each row built from two bytes objects around the job's id and args:
-    every other column is the same for all the rows, encoded once.
+    every other column is the same for all the rows, encoded once. Field lengths are
+    those of the encoded bytes (the args text is ASCII today, but need not stay so).
     """
     stamp = _copy_timestamp(created_at)
     constant = b"".join(
@@ -1645,19 +1646,19 @@ def copy_jobs(
             tail = _EMPTY_LOCKS + constant
             data = b"".join(
                 [
-                    head(16, 8, pk, len(text) + 1) + b"\x01" + text.encode() + tail
-                    for pk, text in zip(ids, texts, strict=True)
+                    head(16, 8, pk, len(args) + 1) + b"\x01" + args + tail
+                    for pk, args in zip(ids, map(str.encode, texts), strict=True)
                 ]
             )
         else:
             data = b"".join(
                 [
-                    head(16, 8, pk, len(text) + 1)
+                    head(16, 8, pk, len(args) + 1)
                     + b"\x01"
-                    + text.encode()
+                    + args
                     + _copy_field(b"\x01" + json.dumps(names).encode())
                     + constant
-                    for pk, text, names in zip(ids, texts, locks, strict=True)
+                    for pk, args, names in zip(ids, map(str.encode, texts), locks, strict=True)
                 ]
             )
         copy.write(data)
