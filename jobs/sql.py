@@ -146,22 +146,30 @@ PG_FULL_LANES = """full_lanes AS (
 )"""
 PG_NO_FULL_LANES = "full_lanes AS (SELECT ''::text AS lane WHERE false)"
 
-PG_SERVED_LIST = """served AS (
-    SELECT lane FROM unnest(%(lanes)s::text[]) AS s(lane)
-    WHERE lane NOT IN (SELECT lane FROM full_lanes)
-)"""
-PG_SERVED_ANY = f"""queued_lanes(lane) AS (
-    (SELECT lane FROM jobs_job WHERE {_QUEUED} ORDER BY {_RUNNABLE_ORDER} LIMIT 1)
+# Every lane: one loose index scan over the (lane, priority) pairs of the runnable index.
+# From each pair the next is the same lane's next lower priority or, when it has none,
+# the next lane's highest (``UNION ALL … LIMIT 1`` probes the second only when the first
+# finds nothing). Full lanes are walked too (a probe per priority) and left out after.
+PG_PAIRS_ANY = f"""queued_pairs(lane, p) AS (
+    (SELECT lane, priority FROM jobs_job WHERE {_QUEUED} ORDER BY {_RUNNABLE_ORDER} LIMIT 1)
     UNION ALL
-    SELECT (SELECT lane FROM jobs_job
-            WHERE {_QUEUED} AND lane > queued_lanes.lane ORDER BY {_RUNNABLE_ORDER} LIMIT 1)
-    FROM queued_lanes WHERE queued_lanes.lane IS NOT NULL
-), served AS (
-    SELECT lane FROM queued_lanes
-    WHERE lane IS NOT NULL AND lane NOT IN (SELECT lane FROM full_lanes)
+    SELECT following.lane, following.p FROM queued_pairs CROSS JOIN LATERAL (
+        (SELECT lane, priority AS p FROM jobs_job
+         WHERE {_QUEUED} AND lane = queued_pairs.lane AND priority < queued_pairs.p
+         ORDER BY priority DESC LIMIT 1)
+        UNION ALL
+        (SELECT lane, priority FROM jobs_job
+         WHERE {_QUEUED} AND lane > queued_pairs.lane ORDER BY {_RUNNABLE_ORDER} LIMIT 1)
+        LIMIT 1) AS following
+), pairs(lane, p) AS (
+    SELECT lane, p FROM queued_pairs WHERE lane NOT IN (SELECT lane FROM full_lanes)
 )"""
 
-PG_WALK = f"""pairs(lane, p) AS (
+# A lane list: each served lane's priorities, highest first, one probe each.
+PG_PAIRS_LISTED = f"""served AS (
+    SELECT lane FROM unnest(%(lanes)s::text[]) AS s(lane)
+    WHERE lane NOT IN (SELECT lane FROM full_lanes)
+), pairs(lane, p) AS (
     SELECT served.lane, (SELECT priority FROM jobs_job
                          WHERE {_QUEUED} AND lane = served.lane
                          ORDER BY priority DESC LIMIT 1)
@@ -171,7 +179,9 @@ PG_WALK = f"""pairs(lane, p) AS (
                         WHERE {_QUEUED} AND lane = pairs.lane AND priority < pairs.p
                         ORDER BY priority DESC LIMIT 1)
     FROM pairs WHERE pairs.p IS NOT NULL
-), heads AS (
+)"""
+
+PG_WALK = f"""heads AS (
     -- Each pair's head: its first due row whose locks are all free. The first due row is
     -- read once; only when it has locks is the range probed again for a free one (the
     -- gate on first_due.free is a one-time filter: no probe at all otherwise).
@@ -261,7 +271,7 @@ def pg_claim_ctes(lane_list: bool, limited: bool, kinds: bool) -> str:
     kind_filter = "AND kind = ANY(%(kinds)s::text[])" if kinds else ""
     parts = [
         PG_FULL_LANES if limited else PG_NO_FULL_LANES,
-        PG_SERVED_LIST if lane_list else PG_SERVED_ANY,
+        PG_PAIRS_LISTED if lane_list else PG_PAIRS_ANY,
         PG_WALK,
     ]
     if limited:

@@ -255,3 +255,39 @@ def test_the_end_of_block_fence_and_its_commit_serialize_with_reclaim():
     assert engine.reclaim_expired() == [claimed.id]
     with pytest.raises(LeaseLost), transaction.atomic():
         engine.fence(claimed.id, claimed.lease_token, claimed.lease_seconds)
+
+
+LANE_SET = {"default": {}, "a": {}, "b": {}}
+
+
+@pytest.mark.django_db(transaction=True)
+def test_claims_follow_priority_then_age_then_id_across_lanes_whatever_the_mix():
+    """The any-lane claim walks (lane, priority) pairs of the runnable index one by one;
+    the list claim, lane by lane. Either way jobs come out best first across lanes
+    (priority, then run_at, then id), delayed ones never, for random mixes."""
+    from django.test import override_settings
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    job = st.tuples(st.sampled_from(sorted(LANE_SET)), st.integers(-2, 2), st.booleans())
+
+    @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(st.lists(job, min_size=1, max_size=12), st.booleans())
+    def check(specs: list[tuple[str, int, bool]], listed: bool) -> None:
+        Job.objects.all().delete()
+        with override_settings(HOLDFAST_LANES=LANE_SET):
+            made = [
+                enqueueing.enqueue(
+                    "test.echo", {"n": n}, lane=lane, priority=p, delay=3600 if late else None
+                )
+                for n, (lane, p, late) in enumerate(specs)
+            ]
+            due = [m for m, (_, _, late) in zip(made, specs, strict=True) if not late]
+            expected = [m.pk for m in sorted(due, key=lambda m: (-m.priority, m.run_at, m.pk))]
+            lanes = sorted(LANE_SET) if listed else None
+            got = []
+            while (claimed := engine.claim("w", lanes=lanes)) is not None:
+                got.append(claimed.id)
+            assert got == expected
+
+    check()
