@@ -3,13 +3,14 @@ alternating between the checkouts round after round, so that a machine whose flu
 drifts (a VM) charges both alike. For "no regression beyond 5%" checks between commits.
 
     .venv/bin/python bench/compare.py OLD_CHECKOUT NEW_CHECKOUT [ROUNDS] [--jobs N]
+                                      [--workers W]
 
 Each checkout needs its own ``.venv`` (``scripts/bootstrap.sh``). Each run recreates the
 scratch database ``holdfast_compare`` on the server of ``BENCH_DATABASE_URL`` (default
 ``postgres://postgres@127.0.0.1:5432``), migrates it with that checkout's code, enqueues
-the jobs with its ``enqueue_many`` and drains them with one worker at ``LOG_LEVEL=WARNING``.
-The figure is jobs/s from the rows' own timestamps (first claim to last finish), as in
-``bench/run.py``; medians and every round are printed.
+the jobs with its ``enqueue_many`` and drains them with ``W`` workers (default 1) at
+``LOG_LEVEL=WARNING``. The figure is jobs/s from the rows' own timestamps (first claim to
+last finish), as in ``bench/run.py``; medians and every round are printed.
 """
 
 from __future__ import annotations
@@ -43,8 +44,9 @@ def server() -> str:
     return urlunsplit(parts._replace(path=""))
 
 
-def run(checkout: Path, jobs: int, var_dir: str) -> float:
-    """One round on one checkout: jobs/s of one worker draining ``jobs`` no-op jobs."""
+def run(checkout: Path, jobs: int, var_dir: str, workers: int = 1) -> float:
+    """One round on one checkout: jobs/s of ``workers`` workers draining ``jobs`` no-op
+    jobs."""
     base = server()
     with psycopg.connect(f"{base}/postgres", autocommit=True) as conn:
         conn.execute(f"DROP DATABASE IF EXISTS {NAME} WITH (FORCE)")
@@ -61,12 +63,18 @@ def run(checkout: Path, jobs: int, var_dir: str) -> float:
     quiet = {"cwd": checkout, "env": env, "check": True}
     subprocess.run([python, "manage.py", "migrate", "-v0"], **quiet)  # type: ignore[call-overload]
     subprocess.run([python, "-c", ENQUEUE, str(jobs)], **quiet)  # type: ignore[call-overload]
-    subprocess.run(  # type: ignore[call-overload]
-        [python, "manage.py", "runworker", "--burst", "--worker-id", "compare"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        **quiet,
-    )
+    procs = [
+        subprocess.Popen(
+            [python, "manage.py", "runworker", "--burst", "--worker-id", f"compare-{n}"],
+            cwd=checkout,
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        for n in range(workers)
+    ]
+    codes = [proc.wait() for proc in procs]
+    assert not any(codes), f"{checkout}: workers exited {codes}"
     with psycopg.connect(url) as conn:
         row = conn.execute(
             "SELECT min(started_at), max(finished_at), count(*) FROM jobs_job"
@@ -82,12 +90,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("new", type=Path)
     parser.add_argument("rounds", type=int, nargs="?", default=6)
     parser.add_argument("--jobs", type=int, default=5000)
+    parser.add_argument("--workers", type=int, default=1)
     args = parser.parse_args(argv)
     figures: dict[Path, list[float]] = {args.old: [], args.new: []}
     with tempfile.TemporaryDirectory(prefix="holdfast-compare-") as var_dir:
         for round_ in range(1, args.rounds + 1):
             for checkout, seen in figures.items():
-                seen.append(run(checkout, args.jobs, var_dir))
+                seen.append(run(checkout, args.jobs, var_dir, args.workers))
                 print(f"round {round_}: {checkout} {seen[-1]:,.0f} jobs/s", file=sys.stderr)
     old, new = (statistics.median(figures[path]) for path in (args.old, args.new))
     for path, seen in figures.items():
