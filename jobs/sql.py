@@ -818,9 +818,7 @@ HEARTBEAT_STATEMENT_TIMEOUT_MS = 5000
 RECLAIM_STATEMENT_TIMEOUT_MS = 60_000
 RECLAIM_BATCH = 10_000
 
-PG_HEARTBEAT_SETTINGS = f"""
-SET LOCAL jit TO off;
-SET LOCAL synchronous_commit TO off;
+PG_HEARTBEAT_SETTINGS = f"""{NO_JIT}SET LOCAL synchronous_commit TO off;
 SET LOCAL lock_timeout TO '{ENGINE_LOCK_TIMEOUT_MS}ms';
 SET LOCAL statement_timeout TO '{HEARTBEAT_STATEMENT_TIMEOUT_MS}ms';
 """
@@ -898,9 +896,7 @@ def _last_row(query: str, params: dict[str, Any]) -> Any:
 # row, so a lease renewed meanwhile is never taken. Only the lock rows of the reclaimed
 # lease token are deleted, never those of a live lease. ``run_at`` is left alone: the job
 # keeps its place in the queue.
-PG_RECLAIM_SETTINGS = f"""
-SET LOCAL jit TO off;
-SET LOCAL lock_timeout TO '{ENGINE_LOCK_TIMEOUT_MS}ms';
+PG_RECLAIM_SETTINGS = f"""{NO_JIT}SET LOCAL lock_timeout TO '{ENGINE_LOCK_TIMEOUT_MS}ms';
 SET LOCAL statement_timeout TO '{{timeout_ms}}ms';
 """
 
@@ -1275,7 +1271,7 @@ def configure_session(sender: Any, connection: Any, **kwargs: Any) -> None:
     """``connection_created`` receiver: the engine's session settings on a new PostgreSQL
     connection, when the session is the process's own (prepared statements on). Behind a
     transaction-mode pooler a session setting would stay on a server connection other
-    clients get next, so nothing is set; docs/deployment.md says to set ``jit`` off for
+    clients get next, so nothing is set; docs/operations.md says to set ``jit`` off for
     the role there."""
     if connection.vendor != "postgresql" or not prepared_statements():
         return
@@ -1313,7 +1309,7 @@ def warn_if_jit() -> None:
             log.warning(
                 "jit_enabled",
                 hint="JIT compiling slows every claim: ALTER ROLE <role> SET jit = off "
-                "(docs/deployment.md, behind a pooler)",
+                "(docs/operations.md, behind a pooler)",
             )
 
 
@@ -1408,9 +1404,6 @@ def _sqlite_settle_and_claim(
     Django's autocommit switching around them (a sixth of a job's time on SQLite). Inside
     a caller's transaction it is a savepoint of it, as any ``atomic()`` block.
     """
-    if connection.in_atomic_block:
-        with transaction.atomic(), _sqlite_cursor() as run:  # a savepoint of the caller's
-            return _sqlite_statements(run, params, lane_filter, settle=settle, claim=claim)
     with _sqlite_immediate() as run:
         return _sqlite_statements(run, params, lane_filter, settle=settle, claim=claim)
 
@@ -1473,24 +1466,19 @@ def _sqlite_immediate() -> Iterator[Callable[[str, Mapping[str, Any]], Any]]:
     their guards are the same ones.
     """
     connection.ensure_connection()
-    if not connection.get_autocommit():  # Django holds a transaction open: join it
+    if not connection.get_autocommit():  # the caller's transaction: a savepoint of it
         with transaction.atomic(), _sqlite_cursor() as run:
             yield run
         return
-    raw = connection.connection
-    cursor = raw.cursor()
-    try:
-        with connection.wrap_database_errors:
-            cursor.execute("BEGIN IMMEDIATE")
-            try:
-                yield lambda query, params: cursor.execute(_sqlite_native(query), params)
-                cursor.execute("COMMIT")
-            except BaseException:
-                if raw.in_transaction:
-                    raw.rollback()
-                raise
-    finally:
-        cursor.close()
+    with _sqlite_cursor() as run:
+        run("BEGIN IMMEDIATE", {})
+        try:
+            yield run
+            run("COMMIT", {})
+        except BaseException:
+            if connection.connection.in_transaction:
+                connection.connection.rollback()
+            raise
 
 
 @functools.lru_cache(maxsize=256)  # one entry per statement and lane filter

@@ -291,3 +291,25 @@ def test_claims_follow_priority_then_age_then_id_across_lanes_whatever_the_mix()
             assert got == expected
 
     check()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_sqlite_settle_that_fails_midway_commits_nothing_of_it(monkeypatch):
+    """SQLite's hot path runs settle and claim in the sqlite3 connection's own BEGIN
+    IMMEDIATE: a statement failing after the job row was settled rolls all of it back."""
+    from jobs import sql
+
+    if sql.is_postgres():
+        pytest.skip("SQLite's own transaction")
+    enqueueing.enqueue("test.echo")
+    claimed = claim_one()
+    monkeypatch.setattr(sql, "SQLITE_COUNT_ATTEMPT", "SELECT no_such_function()")
+    with pytest.raises(Exception, match="no_such_function"):
+        engine.complete(claimed)
+    job = Job.objects.get(pk=claimed.id)
+    assert job.state == State.RUNNING and job.lease_token == claimed.lease_token
+    assert Lease.objects.get(job=job).outcome == Outcome.RUNNING
+    assert not connection.in_atomic_block and connection.get_autocommit()
+    monkeypatch.undo()
+    engine.complete(claimed)  # the connection is usable, the lease still ours
+    assert Job.objects.get(pk=claimed.id).state == State.SUCCEEDED
