@@ -14,11 +14,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import psycopg
 import pytest
 from django.db import connection
 
 from jobs import enqueueing
 from jobs.models import Job, Lease, State
+from tests.conftest import database_url
 from tests.process.helpers import wait_for_job, wait_for_marker
 from tests.support.workers import WorkerPool, wait_until
 
@@ -88,9 +90,14 @@ def test_the_notification_queue_does_not_grow_behind_a_busy_worker(
             )
 
     # Megabytes of notifications on a channel the worker LISTENs on: far more than socket
-    # buffers hold, so a LISTEN connection nobody reads would pin the queue.
-    flood("holdfast_jobs", 2000)
-    peak = usage()
+    # buffers hold, so a LISTEN connection nobody reads would pin the queue. A control
+    # listener that never reads pins it for the measurement (without it a fast worker may
+    # drain the queue before the peak is read, and the peak says nothing); once the control
+    # leaves, only the worker's own reading can let the queue's tail move on.
+    with psycopg.connect(database_url(connection.settings_dict), autocommit=True) as control:
+        control.execute("LISTEN holdfast_jobs")
+        flood("holdfast_jobs", 2000)
+        peak = usage()
     assert peak > 0
 
     def drained() -> bool:
