@@ -1,6 +1,7 @@
-"""Deploys with running workers (PostgreSQL): a migration alters the engine's tables under
-three busy workers, and prepared statements become invalid under them. No worker exits,
-every job succeeds once, and no attempt is charged or failed for it (DESIGN §2, issue 12).
+"""Deploys with running workers (PostgreSQL): a migration alters the engine's tables (or
+builds and drops its indexes, CONCURRENTLY) under three busy workers, and prepared
+statements become invalid under them. No worker exits, every job succeeds once, and no
+attempt is charged or failed for it (DESIGN §2, issue 12).
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ import time
 from collections.abc import Iterator
 
 import pytest
+from django.core.management import call_command
 from django.db import connection
 
 from jobs import enqueueing
@@ -153,3 +155,69 @@ def test_a_failover_under_busy_workers_charges_no_attempt(
     assert not Lease.objects.filter(job_id__in=ids, outcome="failed").exists(), describe()
     done = Effect.objects.filter(label="complete")
     assert done.count() == 30 and done.values("job_id").distinct().count() == 30
+
+
+@pytest.fixture
+def migrated_forward(transactional_db: None) -> Iterator[None]:
+    """Whatever the test left, later tests see every migration applied."""
+    yield
+    call_command("migrate", "jobs", verbosity=0)
+
+
+def job_indexes() -> dict[str, bool]:
+    """jobs_job's indexes by name, each with whether it is valid (a CONCURRENTLY build
+    that failed leaves an invalid one behind)."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT c.relname, i.indisvalid FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid"
+            " WHERE i.indrelid = 'jobs_job'::regclass"
+        )
+        return dict(cursor.fetchall())
+
+
+def test_index_migrations_under_three_busy_workers_charge_no_attempt(
+    workers: WorkerPool, migrated_forward: None
+) -> None:
+    """``manage.py migrate`` of the engine's index migration (0011: an index built and
+    one dropped, both CONCURRENTLY), back and forth, while three workers drain a queue.
+    A concurrent build waits out every transaction open when it starts: a worker holding
+    one across handler code would hold up the deploy for as long as its handler ran."""
+    total = 450
+    sleeps = enqueueing.enqueue_many("test.sleep", [{"seconds": 0.05}] * (total // 2))
+    effects = enqueueing.enqueue_many("test.effect", [{"sleep": 0.05}] * (total // 2))
+    ids = [job.pk for job in [*sleeps, *effects]]
+    procs = [workers.start(f"index-{n}") for n in range(3)]
+
+    def describe() -> str:
+        return f"{job_summary(ids)}\n{workers.describe()}"
+
+    wait_until(lambda: succeeded() >= 10, 40, interval=0.05, message=describe)
+    for target, present, absent in (
+        ("0010_i16_one_attempt_counter", "job_due_idx", "job_next_due_idx"),
+        ("0011_i16_next_due_index", "job_next_due_idx", "job_due_idx"),
+    ):
+        before = succeeded()
+        result = workers.command("migrate", "jobs", target, timeout=60)
+        assert result.returncode == 0, result.describe()
+        indexes = job_indexes()
+        assert indexes.get(present) is True and absent not in indexes, indexes
+        assert succeeded() > before, f"no job ran during the migration\n{describe()}"
+    assert succeeded() < total, "the queue drained before the migrations ended: add jobs"
+
+    wait_until(
+        lambda: succeeded() == total,
+        90,
+        interval=0.1,
+        message=lambda: f"queue not drained after the migrations\n{describe()}",
+    )
+    assert all(proc.alive for proc in procs), describe()
+    assert not any(proc.events("settlement_refused") for proc in procs), describe()
+    charged = list(Job.objects.filter(pk__in=ids).exclude(attempts=1).values_list("pk", "attempts"))
+    assert charged == [], describe()
+    assert not Lease.objects.filter(job_id__in=ids, outcome="failed").exists(), describe()
+    done = Effect.objects.filter(label="complete")
+    assert done.count() == total // 2 and done.values("job_id").distinct().count() == total // 2
+    for proc in procs:
+        proc.terminate()
+    for proc in procs:
+        assert proc.wait_exit(timeout=15) == 0, proc.describe()
