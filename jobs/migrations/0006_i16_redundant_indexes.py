@@ -18,6 +18,8 @@ from typing import Any
 import django.db.models.deletion
 from django.db import migrations, models
 
+from jobs.indexes import drop_index
+
 REDUNDANT = (("jobs_jobevent", "job_id"), ("jobs_lease", "job_id"))
 
 
@@ -35,15 +37,10 @@ def _single_column_indexes(schema_editor: Any, table: str, column: str) -> list[
     ]
 
 
-def _drop(schema_editor: Any, name: str) -> None:
-    concurrently = "CONCURRENTLY " if schema_editor.connection.vendor == "postgresql" else ""
-    schema_editor.execute(f"DROP INDEX {concurrently}IF EXISTS {schema_editor.quote_name(name)}")
-
-
 def drop_indexes(apps: Any, schema_editor: Any) -> None:
     for table, column in REDUNDANT:
         for name in _single_column_indexes(schema_editor, table, column):
-            _drop(schema_editor, name)
+            drop_index(schema_editor, name)
     if schema_editor.connection.vendor != "postgresql":
         return
     with schema_editor.connection.cursor() as cursor:
@@ -54,7 +51,7 @@ def drop_indexes(apps: Any, schema_editor: Any) -> None:
         )
         names = [name for (name,) in cursor.fetchall()]
     for name in names:
-        _drop(schema_editor, name)
+        drop_index(schema_editor, name)
 
 
 def restore_indexes(apps: Any, schema_editor: Any) -> None:

@@ -17,6 +17,8 @@ from typing import Any
 
 from django.db import migrations, models
 
+from jobs.indexes import drop_index
+
 FILLFACTOR_TABLES = ("jobs_job", "jobs_lease")
 
 
@@ -25,8 +27,7 @@ def _postgres(schema_editor: Any) -> bool:
 
 
 def drop_expiry_index(apps: Any, schema_editor: Any) -> None:
-    concurrently = "CONCURRENTLY " if _postgres(schema_editor) else ""
-    schema_editor.execute(f"DROP INDEX {concurrently}IF EXISTS job_lease_expiry_idx")
+    drop_index(schema_editor, "job_lease_expiry_idx")
 
 
 def restore_expiry_index(apps: Any, schema_editor: Any) -> None:

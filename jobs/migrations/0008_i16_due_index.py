@@ -10,20 +10,17 @@ from typing import Any
 
 from django.db import migrations, models
 
-CREATE = (
-    'CREATE INDEX {how}IF NOT EXISTS "job_due_idx" ON "jobs_job" ("run_at") '
-    "WHERE \"state\" = 'queued'"
-)
+from jobs.indexes import create_index, drop_index
+
+DUE = models.Index(fields=["run_at"], name="job_due_idx", condition=models.Q(state="queued"))
 
 
 def _create(apps: Any, schema_editor: Any) -> None:
-    concurrently = "CONCURRENTLY " if schema_editor.connection.vendor == "postgresql" else ""
-    schema_editor.execute(CREATE.format(how=concurrently))
+    create_index(schema_editor, apps.get_model("jobs", "Job"), DUE)
 
 
 def _drop(apps: Any, schema_editor: Any) -> None:
-    concurrently = "CONCURRENTLY " if schema_editor.connection.vendor == "postgresql" else ""
-    schema_editor.execute(f'DROP INDEX {concurrently}IF EXISTS "job_due_idx"')
+    drop_index(schema_editor, DUE.name)
 
 
 class Migration(migrations.Migration):

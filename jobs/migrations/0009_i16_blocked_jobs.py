@@ -18,6 +18,8 @@ from typing import Any
 from django.db import migrations, models
 from django.db.models import Q
 
+from jobs.indexes import create_index, drop_index
+
 RUNNABLE = models.Index(
     fields=["lane", "-priority", "run_at", "id"],
     name="job_runnable_idx",
@@ -42,41 +44,20 @@ OLD = (
 )
 
 
-def _postgres(schema_editor: Any) -> bool:
-    return schema_editor.connection.vendor == "postgresql"
-
-
-def _create(schema_editor: Any, model: Any, index: models.Index) -> None:
-    if _postgres(schema_editor):
-        sql = index.create_sql(model, schema_editor, concurrently=True)
-        schema_editor.execute(str(sql).replace("CONCURRENTLY", "CONCURRENTLY IF NOT EXISTS", 1))
-    else:
-        schema_editor.execute(
-            str(index.create_sql(model, schema_editor)).replace(
-                "CREATE INDEX", "CREATE INDEX IF NOT EXISTS", 1
-            )
-        )
-
-
-def _drop(schema_editor: Any, name: str) -> None:
-    concurrently = "CONCURRENTLY " if _postgres(schema_editor) else ""
-    schema_editor.execute(f"DROP INDEX {concurrently}IF EXISTS {schema_editor.quote_name(name)}")
-
-
 def forwards(apps: Any, schema_editor: Any) -> None:
     model = apps.get_model("jobs", "Job")
     for index in (RUNNABLE, BLOCKED):
-        _create(schema_editor, model, index)
+        create_index(schema_editor, model, index)
     for index in OLD:
-        _drop(schema_editor, index.name)
+        drop_index(schema_editor, index.name)
 
 
 def backwards(apps: Any, schema_editor: Any) -> None:
     model = apps.get_model("jobs", "Job")
     for index in OLD:
-        _create(schema_editor, model, index)
+        create_index(schema_editor, model, index)
     for index in (RUNNABLE, BLOCKED):
-        _drop(schema_editor, index.name)
+        drop_index(schema_editor, index.name)
 
 
 class Migration(migrations.Migration):

@@ -11,35 +11,32 @@ so those updates go by primary key.
 
 On PostgreSQL the new index is built ``CONCURRENTLY`` before the old one is dropped
 (``CONCURRENTLY`` too): running workers and enqueues are never blocked, and there is no
-moment without an index for the look-up. Not atomic: re-running is safe.
+moment without an index for the look-up. Not atomic: re-running it repairs what a failed
+run left (``jobs.indexes``).
 """
 
 from typing import Any
 
 from django.db import migrations, models
 
-CREATE = (
-    'CREATE INDEX {how}IF NOT EXISTS "job_next_due_idx" ON "jobs_job" ("run_at") '
-    "WHERE \"state\" = 'queued' AND \"blocked_by\" IS NULL"
-)
-OLD = (
-    'CREATE INDEX {how}IF NOT EXISTS "job_due_idx" ON "jobs_job" ("run_at") '
-    "WHERE \"state\" = 'queued'"
-)
+from jobs.indexes import create_index, drop_index
 
-
-def _how(schema_editor: Any) -> str:
-    return "CONCURRENTLY " if schema_editor.connection.vendor == "postgresql" else ""
+NEXT_DUE = models.Index(
+    fields=["run_at"],
+    name="job_next_due_idx",
+    condition=models.Q(state="queued", blocked_by__isnull=True),
+)
+OLD = models.Index(fields=["run_at"], name="job_due_idx", condition=models.Q(state="queued"))
 
 
 def _forward(apps: Any, schema_editor: Any) -> None:
-    schema_editor.execute(CREATE.format(how=_how(schema_editor)))
-    schema_editor.execute(f'DROP INDEX {_how(schema_editor)}IF EXISTS "job_due_idx"')
+    create_index(schema_editor, apps.get_model("jobs", "Job"), NEXT_DUE)
+    drop_index(schema_editor, OLD.name)
 
 
 def _backward(apps: Any, schema_editor: Any) -> None:
-    schema_editor.execute(OLD.format(how=_how(schema_editor)))
-    schema_editor.execute(f'DROP INDEX {_how(schema_editor)}IF EXISTS "job_next_due_idx"')
+    create_index(schema_editor, apps.get_model("jobs", "Job"), OLD)
+    drop_index(schema_editor, NEXT_DUE.name)
 
 
 class Migration(migrations.Migration):
