@@ -243,7 +243,7 @@ def cancelled(job: Claimed) -> None:
 
 
 # When each attempt this process claimed began (monotonic), for its settle's duration_ms.
-_claimed_at: dict[int, float] = {}
+_claimed_at: dict[tuple[int, int], float] = {}
 # A settle's log level: a dead job wants someone's attention, a retry is a warning.
 SETTLE_LEVELS = {"job_dead": "error", "job_retry_scheduled": "warning"}
 SETTLE_NUMERIC_LEVELS = {"job_dead": logging.ERROR, "job_retry_scheduled": logging.WARNING}
@@ -251,7 +251,7 @@ SETTLE_NUMERIC_LEVELS = {"job_dead": logging.ERROR, "job_retry_scheduled": loggi
 
 def _log_claimed(job: Claimed | None, worker_id: str) -> None:
     if job is not None:
-        _claimed_at[job.lease_id] = time.monotonic()
+        _claimed_at[job.id, job.lease_token] = time.monotonic()
         if log.is_enabled_for(logging.INFO):  # else the line's fields are never built
             log.info(
                 "job_claimed",
@@ -261,7 +261,7 @@ def _log_claimed(job: Claimed | None, worker_id: str) -> None:
 
 
 def _log_settled(job: Claimed, verdict: Verdict, settled: bool) -> bool:
-    started = _claimed_at.pop(job.lease_id, None)
+    started = _claimed_at.pop((job.id, job.lease_token), None)
     level = logging.WARNING
     if settled:
         level = SETTLE_NUMERIC_LEVELS.get(verdict.event, logging.INFO)
@@ -446,9 +446,8 @@ def release_orphans(worker_id: str, keep: int | None = None) -> list[int]:
         orphans = orphans.exclude(pk=keep)
     released = []
     for pk, token in list(orphans.values_list("pk", "lease_token")):
-        lease = Lease.objects.filter(job_id=pk, lease_token=token).first()
         job = Job.objects.filter(pk=pk).first()
-        if lease is None or job is None:
+        if job is None:
             continue
         held = Claimed(
             id=pk,
@@ -462,7 +461,6 @@ def release_orphans(worker_id: str, keep: int | None = None) -> list[int]:
             lease_expires_at=job.lease_expires_at or timezone.now(),
             locks=tuple(job.locks or ()),
             cancel_requested=job.cancel_requested,
-            lease_id=lease.pk,
         )
         settled, _ = sql.settle_and_claim(held, RELEASED.how, None, None)
         if settled:

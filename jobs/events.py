@@ -1,12 +1,13 @@
 """A job's event log, read as one sequence from the rows that record it.
 
-Every attempt already has its lease row, written by the claim and completed by the settle
-in the same statement as the job row's change (``jobs.sql``). That row *is* the attempt's
-``claimed`` event (``acquired_at``, worker, token, attempt) and, once ``settled_state`` is
-set, its ``settled`` event (``released_at``, the job's next state, the outcome, whether a
-cancel had been requested). So those two events are not inserted again as ``jobs_jobevent``
-rows: two row writes fewer per job, and the log is still complete, since a lease row and
-the change it records commit together or not at all.
+Every attempt has its lease row (``jobs.attempts``: written by the statement that ends the
+attempt, in the same statement or transaction as the job row's change; while it runs,
+read from the job row, which the claim wrote). That row *is* the attempt's ``claimed``
+event (``acquired_at``, worker, token, attempt) and, once ``settled_state`` is set, its
+``settled`` event (``released_at``, the job's next state, the outcome, whether a cancel had
+been requested). So those two events are not inserted again as ``jobs_jobevent`` rows:
+two row writes fewer per job, and the log is still complete, since a lease row and the
+change it records commit together or not at all.
 
 Everything else (progress, cancel requests, reclaims, requeues, cancels) is a
 ``jobs_jobevent`` row. Rows of ``claimed`` or ``settled`` written by workers of 0.1 are
@@ -22,6 +23,7 @@ from __future__ import annotations
 import bisect
 from datetime import timedelta
 
+from . import attempts
 from .models import Job, JobEvent, Lease
 
 STORED_IN_LEASE = ("claimed", "settled")
@@ -31,24 +33,21 @@ def events(job_id: int) -> list[JobEvent]:
     """The job's event log, oldest first (unsaved JobEvent instances for the two events a
     lease row holds)."""
     rows = list(JobEvent.objects.filter(job_id=job_id).order_by("pk"))
-    leases = list(Lease.objects.filter(job_id=job_id).order_by("lease_token"))
+    job = Job.objects.filter(pk=job_id).first()
+    leases = [] if job is None else attempts.leases(job)
     stored = {(row.event, row.lease_token) for row in rows if row.event in STORED_IN_LEASE}
-    lease_seconds = _lease_seconds(job_id) if leases else 0.0
-    attempts: list[list[JobEvent]] = []
+    lease_seconds = 0.0 if job is None else float(job.lease_seconds)
+    by_attempt: list[list[JobEvent]] = []
     for lease in leases:
         by_token = [row for row in rows if row.lease_token == lease.lease_token]
         claimed = (
             [] if ("claimed", lease.lease_token) in stored else [_claimed(lease, lease_seconds)]
         )
         settled = [_settled(lease)] if _settles(lease, stored) else []
-        attempts.append([*claimed, *sorted(by_token, key=_attempt_order), *settled])
+        by_attempt.append([*claimed, *sorted(by_token, key=_attempt_order), *settled])
     tokens = {lease.lease_token for lease in leases}
     between = [row for row in rows if row.lease_token not in tokens]
-    return _interleave(attempts, leases, between)
-
-
-def _lease_seconds(job_id: int) -> float:
-    return float(Job.objects.filter(pk=job_id).values_list("lease_seconds", flat=True).get())
+    return _interleave(by_attempt, leases, between)
 
 
 def _settles(lease: Lease, stored: set[tuple[str, int | None]]) -> bool:

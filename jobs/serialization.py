@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
-from . import engine
+from . import attempts, engine
 from .events import events
 from .models import Job, JobEvent, Lease
 from .registry import TASK_KIND
@@ -80,7 +80,7 @@ def job_detail_dict(job: Job) -> dict[str, Any]:
     """A job with its attempts, the resource locks it holds now (or, queued, the one it
     waits for), and its event log."""
     data = job_dict(job)
-    data["leases"] = [lease_dict(lease) for lease in job.leases.order_by("lease_token")]
+    data["leases"] = [lease_dict(lease) for lease in attempts.leases(job)]
     data["locks"] = list(engine.held_locks(job.pk).values_list("resource", flat=True))
     data["events"] = [event_dict(event) for event in events(job.pk)]
     # A queued job a claim found blocked: the held resource lock it waits for.

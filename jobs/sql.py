@@ -62,7 +62,6 @@ class Claimed:
     lease_expires_at: datetime
     locks: tuple[str, ...]
     cancel_requested: bool  # a request that outlived an earlier attempt
-    lease_id: int
 
 
 @dataclass(frozen=True)
@@ -236,24 +235,18 @@ PG_TAKE = f"""claimed AS (
         leased_by = %(worker)s::text,
         lease_expires_at = statement_timestamp() + job.lease_seconds * interval '1 second',
         heartbeat_at = statement_timestamp(),
-        started_at = statement_timestamp(),
+        -- The attempt's start: the clock while the statement runs, after its snapshot, so
+        -- no attempt seems to begin before the settle whose freed slot or lock it took had
+        -- committed. statement_timestamp() is when the statement arrived; planning the
+        -- claim (the first runs of a prepared statement, or every run with them off) can
+        -- take milliseconds. The expiry stays measured from statement_timestamp(): a
+        -- little early, never late. The attempt's lease row is written when it ends.
+        started_at = clock_timestamp(),
         updated_at = statement_timestamp()
     -- By the candidate's id (no partial index's condition is implied by the guard alone:
     -- migration 0011_i16, so a table without statistics still goes by primary key).
     WHERE job.id = (SELECT id FROM candidate) AND job.state = 'queued' {{slot_guard}}
     RETURNING {_columns("job")}
-), lease AS (
-    -- acquired_at: the clock while the statement runs, after its snapshot, so no attempt
-    -- seems to begin before the settle whose freed slot or lock it took had committed.
-    -- statement_timestamp() is when the statement arrived; planning the claim (the first
-    -- runs of a prepared statement, or every run with them off) can take milliseconds.
-    -- The expiry stays measured from statement_timestamp(): a little early, never late.
-    INSERT INTO jobs_lease (job_id, attempt, lease_token, worker_id, acquired_at, expires_at,
-                            outcome, error_class, error_message, traceback, context)
-    SELECT id, attempts, lease_token, %(worker)s::text, clock_timestamp(), lease_expires_at,
-           'running', '', '', '', '{{{{}}}}'::jsonb
-    FROM claimed
-    RETURNING id
 ), taken_locks AS (
     INSERT INTO jobs_joblock (resource, job_id, lease_token, acquired_at)
     SELECT lock.resource, claimed.id, claimed.lease_token, statement_timestamp()
@@ -372,10 +365,26 @@ def _bucket(seconds: str) -> str:
 
 
 SHARDS = ATTEMPT_COUNT_SHARDS
-# The settle, as CTEs: fenced by state and lease token; the lease row (which is also the
-# attempt's "settled" event: see jobs.events), the lock release and the attempt's count
-# (jobs_outcomecount: the metrics and the finished jobs' counts) are written only if the
-# job row was.
+
+# An attempt's lease row is written once, complete, by the statement that ends it (a
+# settle, a release, a reclaim); while it runs, the job row alone records it (state,
+# lease token, attempts, leased_by, started_at, lease_expires_at: jobs.attempts reads it
+# from there). A row already there was written at claim by a worker of an earlier release
+# (0.1 inserted it then): it is completed instead, as that release's own settle
+# or reclaim would have.
+WRITE_LEASE = """INSERT INTO jobs_lease (job_id, attempt, lease_token, worker_id, acquired_at,
+                            expires_at, released_at, outcome, error_class, error_message,
+                            traceback, context, settled_state, cancel_requested)"""
+LEASE_CONFLICT = """ON CONFLICT (job_id, lease_token) DO UPDATE SET
+        outcome = EXCLUDED.outcome, released_at = EXCLUDED.released_at,
+        error_class = EXCLUDED.error_class, error_message = EXCLUDED.error_message,
+        traceback = EXCLUDED.traceback, context = EXCLUDED.context,
+        settled_state = EXCLUDED.settled_state, cancel_requested = EXCLUDED.cancel_requested"""
+# The settle, as CTEs: fenced by state and lease token; the attempt's lease row (written
+# once, now that the attempt ends: it is also its "claimed" and "settled" events, see
+# jobs.events), the lock release and the attempt's count (jobs_outcomecount: the metrics
+# and the finished jobs' counts) are written only if the job row was. ``held`` reads the
+# worker and expiry the update clears, for the lease row.
 PG_SETTLE_CTES = f"""
 settled AS (
     UPDATE jobs_job SET
@@ -390,16 +399,21 @@ settled AS (
         leased_by = NULL,
         lease_expires_at = NULL,
         updated_at = statement_timestamp()
-    WHERE id = %(job_id)s::bigint AND state = 'running' AND lease_token = %(token)s::bigint
-    RETURNING id, cancel_requested
+    FROM (SELECT leased_by, lease_expires_at FROM jobs_job
+          WHERE id = %(job_id)s::bigint) AS held(worker, expires)
+    WHERE jobs_job.id = %(job_id)s::bigint AND jobs_job.state = 'running'
+      AND jobs_job.lease_token = %(token)s::bigint
+    RETURNING jobs_job.id, jobs_job.cancel_requested, jobs_job.started_at, held.worker,
+              held.expires
 ), settled_lease AS (
-    UPDATE jobs_lease SET
-        outcome = %(outcome)s::text, released_at = statement_timestamp(),
-        error_class = %(error_class)s::text, error_message = %(error_message)s::text,
-        traceback = %(traceback)s::text, context = %(context)s::jsonb,
-        settled_state = %(state)s::text, cancel_requested = settled.cancel_requested
+    {WRITE_LEASE}
+    SELECT id, %(attempt)s::integer, %(token)s::bigint, COALESCE(worker, ''),
+           COALESCE(started_at, statement_timestamp()), COALESCE(expires, statement_timestamp()),
+           statement_timestamp(), %(outcome)s::text, %(error_class)s::text,
+           %(error_message)s::text, %(traceback)s::text, %(context)s::jsonb, %(state)s::text,
+           cancel_requested
     FROM settled
-    WHERE jobs_lease.id = %(lease_id)s::bigint
+    {LEASE_CONFLICT}
     RETURNING greatest(0, extract(epoch FROM statement_timestamp() - acquired_at))::float8 AS s
 ), released_locks AS (
     DELETE FROM jobs_joblock
@@ -426,16 +440,16 @@ PASSED = """(SELECT jsonb_agg(jsonb_build_array(lane, p, run_at, id)) FROM heads
         WHERE first_id IS DISTINCT FROM id)"""
 
 PG_CLAIM_SELECT = f"""
-SELECT {_columns("claimed")}, lease.id, {PASSED}
-FROM (SELECT 1) AS one LEFT JOIN claimed ON true LEFT JOIN lease ON true
+SELECT {_columns("claimed")}, {PASSED}
+FROM (SELECT 1) AS one LEFT JOIN claimed ON true
 """
 
 # Settle one job and claim the next in one statement: one round trip and one commit per
 # job. The claim reads the snapshot from before the settle, so it never takes back the job
 # it just settled (that row is still 'running' there), nor its lane slot.
 PG_SETTLE_AND_CLAIM_SELECT = f"""
-SELECT (SELECT count(*) FROM settled), {_columns("claimed")}, lease.id, {PASSED}
-FROM (SELECT 1) AS one LEFT JOIN claimed ON true LEFT JOIN lease ON true
+SELECT (SELECT count(*) FROM settled), {_columns("claimed")}, {PASSED}
+FROM (SELECT 1) AS one LEFT JOIN claimed ON true
 """
 
 
@@ -571,14 +585,6 @@ WHERE id = (
 RETURNING {CLAIMED_COLUMNS}
 """
 
-SQLITE_INSERT_LEASE = f"""
-INSERT INTO jobs_lease (job_id, attempt, lease_token, worker_id, acquired_at, expires_at,
-                        outcome, error_class, error_message, traceback, context)
-VALUES (%(job_id)s, %(attempt)s, %(token)s, %(worker)s, {SQLITE_NOW}, %(expires)s,
-        'running', '', '', '', '{{}}')
-RETURNING id
-"""
-
 SQLITE_TAKE_LOCKS = f"""
 INSERT INTO jobs_joblock (resource, job_id, lease_token, acquired_at)
 SELECT value, %(job_id)s, %(token)s, {SQLITE_NOW} FROM json_each(%(locks)s) ORDER BY key
@@ -586,6 +592,19 @@ SELECT value, %(job_id)s, %(token)s, {SQLITE_NOW} FROM json_each(%(locks)s) ORDE
 
 SQLITE_RELEASE_LOCKS = """
 DELETE FROM jobs_joblock WHERE job_id = %(job_id)s AND lease_token = %(token)s
+"""
+
+# The SQLite settle writes the attempt's lease row first, from the job row it still reads
+# as running (the same fence), then the job row, in one BEGIN IMMEDIATE transaction.
+SQLITE_SETTLE_LEASE = f"""
+{WRITE_LEASE}
+SELECT id, %(attempt)s, lease_token, COALESCE(leased_by, ''), COALESCE(started_at, {SQLITE_NOW}),
+       COALESCE(lease_expires_at, {SQLITE_NOW}), {SQLITE_NOW}, %(outcome)s, %(error_class)s,
+       %(error_message)s, %(traceback)s, %(context)s, %(state)s, cancel_requested
+FROM jobs_job
+WHERE id = %(job_id)s AND state = 'running' AND lease_token = %(token)s
+{LEASE_CONFLICT}
+RETURNING cancel_requested, max(0.0, (julianday('now') - julianday(acquired_at)) * 86400.0)
 """
 
 SQLITE_SETTLE_JOB = f"""
@@ -602,7 +621,6 @@ UPDATE jobs_job SET
     lease_expires_at = NULL,
     updated_at = {SQLITE_NOW}
 WHERE id = %(job_id)s AND state = 'running' AND lease_token = %(token)s
-RETURNING cancel_requested
 """
 
 # The attempt's count (metrics, finished jobs): one upsert per settled attempt, in its
@@ -610,8 +628,7 @@ RETURNING cancel_requested
 SQLITE_COUNT_ATTEMPT = f"""
 INSERT INTO jobs_outcomecount (kind, lane, outcome, state, bucket, shard, count, seconds)
 SELECT %(kind)s, %(lane)s, %(outcome)s, %(state)s, {_bucket("took.s")}, 0, 1, took.s
-FROM (SELECT max(0.0, (julianday('now') - julianday(acquired_at)) * 86400.0) AS s
-      FROM jobs_lease WHERE id = %(lease_id)s) AS took
+FROM (SELECT %(took)s AS s) AS took
 WHERE true
 ON CONFLICT (kind, lane, outcome, state, bucket, shard) DO UPDATE SET
     count = count + 1, seconds = seconds + excluded.seconds
@@ -647,15 +664,6 @@ def lock_job_counts() -> None:
     if is_postgres():
         with connection.cursor() as cursor:
             cursor.execute("LOCK TABLE jobs_jobcount, jobs_outcomecount IN EXCLUSIVE MODE")
-
-
-SQLITE_SETTLE_LEASE = f"""
-UPDATE jobs_lease SET
-    outcome = %(outcome)s, released_at = {SQLITE_NOW}, error_class = %(error_class)s,
-    error_message = %(error_message)s, traceback = %(traceback)s, context = %(context)s,
-    settled_state = %(state)s, cancel_requested = %(cancel_requested)s
-WHERE id = %(lease_id)s
-"""
 
 
 def is_postgres() -> bool:
@@ -823,18 +831,14 @@ SET LOCAL lock_timeout TO '{ENGINE_LOCK_TIMEOUT_MS}ms';
 SET LOCAL statement_timeout TO '{HEARTBEAT_STATEMENT_TIMEOUT_MS}ms';
 """
 
+# A heartbeat writes the job row alone (a HOT update: no index holds what it changes); the
+# attempt's lease row is written when the attempt ends.
 PG_HEARTBEAT = """
-WITH renewed AS (
-    UPDATE jobs_job SET
-        lease_expires_at = statement_timestamp() + lease_seconds * interval '1 second',
-        heartbeat_at = statement_timestamp()
-    WHERE id = %(job_id)s AND state = 'running' AND lease_token = %(token)s
-    RETURNING id, lease_expires_at, cancel_requested
-), renewed_lease AS (
-    UPDATE jobs_lease SET expires_at = renewed.lease_expires_at
-    FROM renewed WHERE jobs_lease.id = %(lease_id)s
-)
-SELECT cancel_requested FROM renewed
+UPDATE jobs_job SET
+    lease_expires_at = statement_timestamp() + lease_seconds * interval '1 second',
+    heartbeat_at = statement_timestamp()
+WHERE id = %(job_id)s AND state = 'running' AND lease_token = %(token)s
+RETURNING cancel_requested
 """
 
 SQLITE_HEARTBEAT = f"""
@@ -843,10 +847,8 @@ UPDATE jobs_job SET
                                 printf('%%+.3f seconds', lease_seconds)),
     heartbeat_at = {SQLITE_NOW}
 WHERE id = %(job_id)s AND state = 'running' AND lease_token = %(token)s
-RETURNING lease_expires_at, cancel_requested
+RETURNING cancel_requested
 """
-
-SQLITE_HEARTBEAT_LEASE = "UPDATE jobs_lease SET expires_at = %(expires)s WHERE id = %(lease_id)s"
 
 
 def heartbeat(job: Claimed) -> bool | None:
@@ -858,17 +860,14 @@ def heartbeat(job: Claimed) -> bool | None:
     across anything. Inside a caller's transaction it is the bare statement: it never
     changes that transaction's settings.
     """
-    params = {"job_id": job.id, "token": job.lease_token, "lease_id": job.lease_id}
+    params = {"job_id": job.id, "token": job.lease_token}
     if is_postgres():
         row = _last_row(_own_transaction(PG_HEARTBEAT_SETTINGS, PG_HEARTBEAT), params)
-        return None if row is None else bool(row[0])
-    with transaction.atomic(), connection.cursor() as cursor:
-        cursor.execute(SQLITE_HEARTBEAT, params)
-        row = cursor.fetchone()
-        if row is None:
-            return None
-        cursor.execute(SQLITE_HEARTBEAT_LEASE, {**params, "expires": row[0]})
-        return bool(row[1])
+    else:
+        with connection.cursor() as cursor:  # one statement: its own transaction
+            cursor.execute(SQLITE_HEARTBEAT, params)
+            row = cursor.fetchone()
+    return None if row is None else bool(row[0])
 
 
 def _own_transaction(settings: str, statement: str) -> str:
@@ -902,7 +901,7 @@ SET LOCAL statement_timeout TO '{{timeout_ms}}ms';
 
 PG_RECLAIM = f"""
 WITH expired AS (
-    SELECT id, lease_token, leased_by, heartbeat_at, lease_expires_at
+    SELECT id, lease_token, leased_by, heartbeat_at, lease_expires_at, started_at
     FROM jobs_job
     WHERE state = 'running' AND lease_expires_at < statement_timestamp()
       AND (%(job_id)s::bigint IS NULL OR id = %(job_id)s::bigint)
@@ -929,24 +928,26 @@ WITH expired AS (
     WHERE job.id = expired.id AND job.state = 'running'
       AND job.lease_token = expired.lease_token AND job.lease_expires_at < statement_timestamp()
     RETURNING job.id, job.lease_token, job.state, job.kind, job.lane, job.attempts,
-              expired.leased_by, expired.heartbeat_at, expired.lease_expires_at
+              expired.leased_by, expired.heartbeat_at, expired.lease_expires_at,
+              COALESCE(expired.started_at, statement_timestamp()) AS started_at
 ), reclaimed_lease AS (
-    UPDATE jobs_lease SET
-        outcome = 'lease_expired', released_at = statement_timestamp(),
-        error_class = 'LeaseExpired',
-        error_message = 'worker ' || COALESCE(reclaimed.leased_by, '?')
-                        || ' stopped renewing lease ' || reclaimed.lease_token
-                        || ': it died or stopped responding during attempt ' || reclaimed.attempts
+    {WRITE_LEASE}
+    SELECT id, attempts, lease_token, COALESCE(leased_by, ''), started_at,
+           COALESCE(lease_expires_at, statement_timestamp()), statement_timestamp(),
+           'lease_expired', 'LeaseExpired',
+           'worker ' || COALESCE(leased_by, '?') || ' stopped renewing lease ' || lease_token
+           || ': it died or stopped responding during attempt ' || attempts,
+           '', '{{}}'::jsonb, NULL, NULL
     FROM reclaimed
-    WHERE jobs_lease.job_id = reclaimed.id AND jobs_lease.lease_token = reclaimed.lease_token
+    ORDER BY id
+    {LEASE_CONFLICT}
 ), freed AS (
     DELETE FROM jobs_joblock USING reclaimed
     WHERE jobs_joblock.job_id = reclaimed.id AND jobs_joblock.lease_token = reclaimed.lease_token
 ), took AS (
-    SELECT reclaimed.kind, reclaimed.lane, reclaimed.state,
-           greatest(0, extract(epoch FROM statement_timestamp() - lease.acquired_at))::float8 AS s
-    FROM reclaimed JOIN jobs_lease AS lease
-         ON lease.job_id = reclaimed.id AND lease.lease_token = reclaimed.lease_token
+    SELECT kind, lane, state,
+           greatest(0, extract(epoch FROM statement_timestamp() - started_at))::float8 AS s
+    FROM reclaimed
 ), counted AS (
     INSERT INTO jobs_outcomecount (kind, lane, outcome, state, bucket, shard, count, seconds)
     SELECT kind, lane, 'lease_expired', state, bucket, mod(pg_backend_pid(), {SHARDS}),
@@ -973,7 +974,7 @@ SELECT id, lease_token, state, kind, lane, attempts, leased_by FROM reclaimed OR
 
 SQLITE_EXPIRED = f"""
 SELECT id, lease_token, leased_by, heartbeat_at, lease_expires_at, attempts, max_attempts,
-       kind, lane, cancel_requested
+       kind, lane, COALESCE(started_at, {SQLITE_NOW}), COALESCE(lease_expires_at, {SQLITE_NOW})
 FROM jobs_job
 WHERE state = 'running' AND lease_expires_at < {SQLITE_NOW} {{job_filter}}
 ORDER BY lease_expires_at
@@ -981,8 +982,9 @@ LIMIT %(limit)s
 """
 
 # The rest of a SQLite reclaim, inside the same BEGIN IMMEDIATE: every expired row at once,
-# from one JSON parameter ([id, token, state, last_error, lease message, finished, kind]
-# rows); the attempt counters (metrics) get one upsert per kind and duration bucket.
+# from one JSON parameter ([id, token, state, last_error, lease message, finished, kind,
+# lane, worker, started_at, expires_at, attempt] rows); the attempt counters (metrics) get
+# one upsert per kind and duration bucket.
 SQLITE_RECLAIM_JOBS = f"""
 UPDATE jobs_job SET
     state = json_extract(r.value, '$[2]'),
@@ -998,12 +1000,13 @@ WHERE jobs_job.id = json_extract(r.value, '$[0]') AND jobs_job.state = 'running'
 """
 
 SQLITE_RECLAIM_LEASES = f"""
-UPDATE jobs_lease SET
-    outcome = 'lease_expired', released_at = {SQLITE_NOW}, error_class = 'LeaseExpired',
-    error_message = json_extract(r.value, '$[4]')
-FROM json_each(%(rows)s) AS r
-WHERE jobs_lease.job_id = json_extract(r.value, '$[0]')
-  AND jobs_lease.lease_token = json_extract(r.value, '$[1]')
+{WRITE_LEASE}
+SELECT json_extract(value, '$[0]'), json_extract(value, '$[11]'), json_extract(value, '$[1]'),
+       json_extract(value, '$[8]'), json_extract(value, '$[9]'), json_extract(value, '$[10]'),
+       {SQLITE_NOW}, 'lease_expired', 'LeaseExpired', json_extract(value, '$[4]'), '', '{{}}',
+       NULL, NULL
+FROM json_each(%(rows)s) WHERE true ORDER BY key
+{LEASE_CONFLICT}
 """
 
 SQLITE_RECLAIM_LOCKS = """
@@ -1018,10 +1021,9 @@ SELECT kind, lane, 'lease_expired', state, bucket, 0, count(*), sum(s)
 FROM (SELECT kind, lane, state, s, {_bucket("s")} AS bucket
       FROM (SELECT json_extract(r.value, '$[6]') AS kind, json_extract(r.value, '$[7]') AS lane,
                    json_extract(r.value, '$[2]') AS state,
-                   max(0.0, (julianday('now') - julianday(lease.acquired_at)) * 86400.0) AS s
-            FROM json_each(%(rows)s) AS r JOIN jobs_lease AS lease
-                 ON lease.job_id = json_extract(r.value, '$[0]')
-                AND lease.lease_token = json_extract(r.value, '$[1]')))
+                   max(0.0, (julianday('now') - julianday(json_extract(r.value, '$[9]')))
+                            * 86400.0) AS s
+            FROM json_each(%(rows)s) AS r))
 WHERE true
 GROUP BY kind, lane, state, bucket
 ON CONFLICT (kind, lane, outcome, state, bucket, shard) DO UPDATE SET
@@ -1090,7 +1092,9 @@ def _sqlite_reclaim(limit: int, job_id: int | None, cancel: bool, actor: str) ->
         if not expired:
             return []
         rows, events, reclaimed = [], [], []
-        for pk, token, worker, beat, expiry, attempts, max_attempts, kind, lane, _ in expired:
+        for row in expired:
+            pk, token, worker, beat, expiry, attempts, max_attempts, kind, lane = row[:9]
+            start, until = row[9:]  # the database's own text (no converter on an expression)
             account = (
                 f"worker {worker or '?'} stopped renewing lease {token}: "
                 f"it died or stopped responding during attempt {attempts}"
@@ -1103,8 +1107,10 @@ def _sqlite_reclaim(limit: int, job_id: int | None, cancel: bool, actor: str) ->
             else:
                 state = "dead" if attempts >= max_attempts else "queued"
                 error = f"LeaseExpired: {account}"
-            rows.append([pk, token, state, error, account, state != "queued", kind, lane])
             who = worker or ""
+            ended = state != "queued"
+            rows.append([pk, token, state, error, account, ended, kind, lane, who, start, until])
+            rows[-1].append(attempts)
             beat_data = json.dumps({"last_heartbeat_at": beat}, default=str)
             end_data = json.dumps({"expired_at": expiry, "state": state}, default=str)
             events.append([pk, "heartbeat_missed", token, who, beat_data])
@@ -1185,8 +1191,8 @@ def _pg_settle_and_claim(
     settled = settle and row[0] == 1
     if settle:
         row = row[1:]
-    if row[12]:  # blocked rows the walk went past: out of the next claims' path
-        _mark_blocked(row[12], params.get("kinds"))
+    if row[11]:  # blocked rows the walk went past: out of the next claims' path
+        _mark_blocked(row[11], params.get("kinds"))
     return settled, (_claimed(row) if row[0] is not None else None)
 
 
@@ -1418,18 +1424,18 @@ def _sqlite_statements(
 ) -> tuple[bool, Claimed | None]:
     settled, claimed = False, None
     if settle:
-        job_row = run(SQLITE_SETTLE_JOB, params).fetchone()
-        settled = job_row is not None
+        lease_row = run(SQLITE_SETTLE_LEASE, params).fetchone()
+        settled = lease_row is not None
         if settled:
-            params["cancel_requested"] = bool(job_row[0])
-            run(SQLITE_SETTLE_LEASE, params)
+            params["took"] = lease_row[1]
+            run(SQLITE_SETTLE_JOB, params)
             if params["has_locks"]:
                 run(SQLITE_RELEASE_LOCKS, params)
             run(SQLITE_COUNT_ATTEMPT, params)
     if claim:
         row = run(_sqlite_claim_query("lanes_json" in params, lane_filter), params).fetchone()
         if row is not None:
-            claimed = _sqlite_take(run, row, params["worker"])
+            claimed = _sqlite_take(run, row)
     return settled, claimed
 
 
@@ -1486,22 +1492,11 @@ def _sqlite_native(query: str) -> str:
     return re.sub(r"%%|%\((\w+)\)s", lambda m: "%" if m[0] == "%%" else f":{m[1]}", query)
 
 
-def _sqlite_take(
-    run: Callable[[str, Mapping[str, Any]], Any], row: Sequence[Any], worker: str
-) -> Claimed:
-    """The rest of a SQLite claim: the lease row (its "claimed" event) and the locks."""
-    params = {
-        "job_id": row[0],
-        "attempt": row[4],
-        "token": row[6],
-        "worker": worker,
-        "expires": row[8],
-        "locks": row[9],
-    }
-    (lease_id,) = run(SQLITE_INSERT_LEASE, params).fetchone()
+def _sqlite_take(run: Callable[[str, Mapping[str, Any]], Any], row: Sequence[Any]) -> Claimed:
+    """The rest of a SQLite claim: its resource locks (the lease row is the settle's)."""
     if row[9] != "[]":
-        run(SQLITE_TAKE_LOCKS, params)
-    return _claimed((*row, lease_id))
+        run(SQLITE_TAKE_LOCKS, {"job_id": row[0], "token": row[6], "locks": row[9]})
+    return _claimed(row)
 
 
 def insert_jobs(
@@ -1741,7 +1736,7 @@ def _settle_params(job: Claimed, how: Settlement) -> dict[str, Any]:
         "kind": job.kind,
         "lane": job.lane,
         "token": job.lease_token,
-        "lease_id": job.lease_id,
+        "attempt": job.attempt,
         "has_locks": bool(job.locks),
         "state": how.state,
         "outcome": how.outcome,
@@ -1777,7 +1772,6 @@ def _claimed(row: Sequence[Any]) -> Claimed:
         lease_expires_at=_as_datetime(row[8]),
         locks=tuple(locks),
         cancel_requested=bool(row[10]),
-        lease_id=row[11],
     )
 
 

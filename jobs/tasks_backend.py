@@ -6,7 +6,7 @@ task's priority and its ``run_at`` the task's ``run_after``. The worker runs it 
 handler below, so tasks get what every job gets: a lease, retries with backoff, ``dead``
 when the attempts are spent, and recovery when a worker dies (docs/django-tasks.md).
 
-A task's ``TaskResult`` is read back from the job and its attempts (``Lease`` rows):
+A task's ``TaskResult`` is read back from the job and its attempts (``jobs.attempts``):
 ``queued`` → READY, ``running`` → RUNNING, ``succeeded`` → SUCCESSFUL, ``dead`` and
 ``cancelled`` → FAILED.
 """
@@ -314,7 +314,9 @@ class HoldfastBackend(BaseTaskBackend):
         job = Job.objects.filter(pk=int(text), kind=KIND).first()
         if job is None or not isinstance(job.args, dict) or job.args.get("backend") != self.alias:
             raise TaskResultDoesNotExist(result_id)
-        return task_result(job, list(job.leases.order_by("lease_token")))
+        from .attempts import leases
+
+        return task_result(job, leases(job))
 
 
 def _locks_for(
@@ -440,15 +442,15 @@ def run_task(ctx: JobContext, **payload: Any) -> Any:
     task has finished for good: after its success has committed, or when it fails with
     no attempt left (or a PermanentError). An attempt that will be retried sends none.
     """
-    from .models import Lease
+    from .attempts import leases as attempts_of
+    from .models import Job
 
-    leases = list(
-        Lease.objects.filter(job_id=ctx.job_id).select_related("job").order_by("lease_token")
-    )
-    if not leases:
+    job = Job.objects.filter(pk=ctx.job_id).first()
+    leases = [] if job is None else attempts_of(job)
+    if job is None or not leases:
         raise PermanentError(f"job {ctx.job_id} has no attempt record")
     try:
-        result = task_result(leases[0].job, leases)  # RUNNING, this attempt included
+        result = task_result(job, leases)  # RUNNING, this attempt included
     except InvalidTask as exc:
         raise PermanentError(str(exc)) from None
     task = result.task

@@ -93,7 +93,7 @@ class GaveUp(Exception):
 class _KeeperState:
     """What the lease keeper remembers between passes (times: monotonic)."""
 
-    last_job_beat: tuple[int, float] | None = None  # (lease id, time)
+    last_job_beat: tuple[tuple[int, int], float] | None = None  # ((job, lease token), time)
     next_worker_beat: float = 0.0
     next_reclaim: float = 0.0
     reclaim_limit: int = sql.RECLAIM_BATCH
@@ -384,10 +384,11 @@ class WorkerProcess:
             asked, self._renewals = self._renewals, []
         if current is not None:
             job, ctx = current
-            if state.last_job_beat is None or state.last_job_beat[0] != job.lease_id:
-                state.last_job_beat = (job.lease_id, since)  # the claim renewed it
+            attempt = (job.id, job.lease_token)
+            if state.last_job_beat is None or state.last_job_beat[0] != attempt:
+                state.last_job_beat = (attempt, since)  # the claim renewed it
             if asked or now - state.last_job_beat[1] >= self._beat_interval(job):
-                state.last_job_beat = (job.lease_id, now)
+                state.last_job_beat = (attempt, now)
                 self._quietly(functools.partial(self._renew, ctx))
         for request in asked:
             request.set()

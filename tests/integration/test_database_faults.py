@@ -23,26 +23,26 @@ pytestmark = pytest.mark.postgres
 @pytest.fixture
 def refuse_claims_of(transactional_db: None) -> Iterator[object]:
     """``refuse(job_id, times)``: the next ``times`` claims of that job fail in the claim's
-    own INSERT of its attempt row (a trigger; a sequence counts across the rollbacks)."""
+    own UPDATE of the job row (a trigger; a sequence counts across the rollbacks)."""
 
     def refuse(job_id: int, times: int) -> None:
         with connection.cursor() as cursor:
             cursor.execute("CREATE SEQUENCE test_claim_refusals")
             cursor.execute(
                 "CREATE FUNCTION test_refuse_claim() RETURNS trigger LANGUAGE plpgsql AS $$ "
-                f"BEGIN IF NEW.job_id = {int(job_id)} "
+                f"BEGIN IF NEW.id = {int(job_id)} AND NEW.state = 'running' "
                 f"AND nextval('test_claim_refusals') <= {int(times)} THEN "
-                "RAISE EXCEPTION 'claims of job % are refused', NEW.job_id; END IF; "
+                "RAISE EXCEPTION 'claims of job % are refused', NEW.id; END IF; "
                 "RETURN NEW; END $$"
             )
             cursor.execute(
-                "CREATE TRIGGER test_refuse_claim BEFORE INSERT ON jobs_lease "
+                "CREATE TRIGGER test_refuse_claim BEFORE UPDATE ON jobs_job "
                 "FOR EACH ROW EXECUTE FUNCTION test_refuse_claim()"
             )
 
     yield refuse
     with connection.cursor() as cursor:
-        cursor.execute("DROP TRIGGER IF EXISTS test_refuse_claim ON jobs_lease")
+        cursor.execute("DROP TRIGGER IF EXISTS test_refuse_claim ON jobs_job")
         cursor.execute("DROP FUNCTION IF EXISTS test_refuse_claim()")
         cursor.execute("DROP SEQUENCE IF EXISTS test_claim_refusals")
 

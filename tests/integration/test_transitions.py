@@ -8,7 +8,7 @@ import pytest
 from django.db import connection, transaction
 from django.utils import timezone
 
-from jobs import LeaseLost, engine, enqueueing, operations
+from jobs import LeaseLost, attempts, engine, enqueueing, operations
 from jobs.context import JobContext
 from jobs.models import Job, Lease, Outcome, State
 from tests.testapp.models import Effect
@@ -29,7 +29,7 @@ def test_claim_takes_highest_priority_then_oldest_then_lowest_id():
     assert engine.claim("w1") is None  # the delayed job is not runnable yet
 
 
-def test_claim_writes_a_lease_and_increments_the_fencing_token():
+def test_claim_records_the_attempt_on_the_job_row_and_increments_the_fencing_token():
     job = enqueueing.enqueue("test.echo")
     claimed = claim_one("worker-a")
     assert (claimed.id, claimed.attempt, claimed.lease_token) == (job.pk, 1, 1)
@@ -37,8 +37,11 @@ def test_claim_writes_a_lease_and_increments_the_fencing_token():
     assert row.state == State.RUNNING
     assert row.leased_by == "worker-a"
     assert row.lease_expires_at > row.heartbeat_at
-    lease = Lease.objects.get(job=job)
+    # The running attempt is the job row's; its lease row is written when it ends.
+    assert not Lease.objects.filter(job=job).exists()
+    (lease,) = attempts.leases(row)
     assert (lease.lease_token, lease.attempt, lease.outcome) == (1, 1, Outcome.RUNNING)
+    assert (lease.worker_id, lease.acquired_at) == ("worker-a", row.started_at)
     assert lease.expires_at == row.lease_expires_at
     assert engine.claim("worker-b") is None  # I1: one live lease per job
 
@@ -163,7 +166,8 @@ def test_heartbeat_extends_the_lease_and_reports_cancel_requests():
     assert engine.heartbeat(claimed) is False
     job = Job.objects.get()
     assert job.lease_expires_at > timezone.now() + timedelta(seconds=30)
-    assert Lease.objects.get().expires_at == job.lease_expires_at
+    assert not Lease.objects.exists()  # a heartbeat writes the job row alone
+    assert attempts.leases(job)[0].expires_at == job.lease_expires_at
     Job.objects.filter(pk=claimed.id).update(cancel_requested=True)
     assert engine.heartbeat(claimed) is True
 
@@ -308,7 +312,7 @@ def test_a_sqlite_settle_that_fails_midway_commits_nothing_of_it(monkeypatch):
         engine.complete(claimed)
     job = Job.objects.get(pk=claimed.id)
     assert job.state == State.RUNNING and job.lease_token == claimed.lease_token
-    assert Lease.objects.get(job=job).outcome == Outcome.RUNNING
+    assert not Lease.objects.filter(job=job).exists()  # the lease row's write rolled back too
     assert not connection.in_atomic_block and connection.get_autocommit()
     monkeypatch.undo()
     engine.complete(claimed)  # the connection is usable, the lease still ours

@@ -150,4 +150,4 @@ def test_concurrent_claims_never_share_a_job():
     for thread in threads:
         thread.join()
     assert len(claimed) == 200 and len(set(claimed)) == 200
-    assert Lease.objects.count() == 200
+    assert Job.objects.filter(state="running", attempts=1, lease_token=1).count() == 200

@@ -18,6 +18,7 @@ from typing import Any
 from django.db import connection
 from django.utils.dateparse import parse_datetime
 
+from jobs import attempts
 from jobs.models import FINISHED_STATES, Job, JobEvent, Lease, Outcome
 from tests.support.workers import WorkerPool, WorkerProc, wait_until
 from tests.testapp.models import Span
@@ -32,7 +33,7 @@ def job_summary(job_ids: Iterable[int] | None = None) -> str:
     for job in jobs[:50]:
         leases = ", ".join(
             f"{lease.lease_token}:{lease.worker_id}:{lease.outcome}"
-            for lease in job.leases.order_by("lease_token")
+            for lease in attempts.leases(job)
         )
         lines.append(
             f"job {job.pk} {job.kind} {job.state} attempts={job.attempts} "
@@ -130,6 +131,15 @@ def stop_outside_transaction(proc: WorkerProc, attempts: int = 20) -> None:
     raise AssertionError(f"could not stop {proc.name} outside a transaction\n{proc.describe()}")
 
 
+def every_attempt(job_ids: Iterable[int]) -> list[Lease]:
+    """The attempts of these jobs (jobs.attempts: the running ones too), by job and token."""
+    return [
+        lease
+        for job in Job.objects.filter(pk__in=list(job_ids)).order_by("pk")
+        for lease in attempts.leases(job)
+    ]
+
+
 def overlapping_leases(job_ids: Iterable[int]) -> list[str]:
     """Attempts of one job whose recorded lease windows overlap (I1: one live lease).
 
@@ -138,7 +148,7 @@ def overlapping_leases(job_ids: Iterable[int]) -> list[str]:
     """
     problems = []
     by_job: dict[int, list[Lease]] = {}
-    for lease in Lease.objects.filter(job_id__in=list(job_ids)).order_by("job_id", "lease_token"):
+    for lease in every_attempt(job_ids):
         by_job.setdefault(lease.job_id, []).append(lease)
     for job_id, leases in by_job.items():
         for before, after in pairwise(leases):
@@ -159,7 +169,7 @@ def concurrent_jobs_per_worker(job_ids: Iterable[int]) -> list[str]:
     """
     problems = []
     by_worker: dict[str, list[Lease]] = {}
-    leases = Lease.objects.filter(job_id__in=list(job_ids)).order_by("worker_id", "acquired_at")
+    leases = sorted(every_attempt(job_ids), key=lambda lease: (lease.worker_id, lease.acquired_at))
     for lease in leases:
         by_worker.setdefault(lease.worker_id, []).append(lease)
     for worker_id, held in by_worker.items():

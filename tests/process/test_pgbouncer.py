@@ -184,7 +184,7 @@ def test_through_pgbouncer_with_a_direct_listen_connection(
     wait_until(
         lambda: (
             Lease.objects.filter(job=job, lease_token=1, outcome="lease_expired").exists()
-            and Lease.objects.filter(job=job, lease_token=2, worker_id=survivor.name).exists()
+            and Job.objects.filter(pk=job.pk, lease_token=2, leased_by=survivor.name).exists()
         ),
         30,
         interval=0.1,
