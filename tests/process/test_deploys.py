@@ -7,7 +7,7 @@ attempt is charged or failed for it (DESIGN §2, issue 12).
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 from django.core.management import call_command
@@ -16,7 +16,7 @@ from django.db import connection
 from jobs import enqueueing
 from jobs.models import Job, Lease
 from tests.process.helpers import job_summary
-from tests.support.workers import WorkerPool, wait_until
+from tests.support.workers import WorkerPool, WorkerProc, wait_until
 from tests.testapp.models import Effect
 
 pytestmark = [pytest.mark.process, pytest.mark.postgres, pytest.mark.timeout(120)]
@@ -35,6 +35,34 @@ def restore_jobs_table(transactional_db: None) -> Iterator[None]:
 
 def succeeded() -> int:
     return Job.objects.filter(state="succeeded").count()
+
+
+def drained_uncharged(
+    ids: list[int], procs: list[WorkerProc], describe: Callable[[], str], after: str
+) -> None:
+    """Wait for every job to succeed, then check what a deploy must not do: no worker
+    exited or had a settle refused, every job ran on its one charged attempt, no attempt
+    was recorded as failed, and each ``test.effect`` job's effect is there exactly once.
+    Then the workers stop cleanly."""
+    wait_until(
+        lambda: succeeded() == len(ids),
+        90,
+        interval=0.1,
+        message=lambda: f"queue not drained after {after}\n{describe()}",
+    )
+    assert all(proc.alive for proc in procs), describe()
+    assert not any(proc.events("settlement_refused") for proc in procs), describe()
+    charged = list(Job.objects.filter(pk__in=ids).exclude(attempts=1).values_list("pk", "attempts"))
+    assert charged == [], describe()
+    assert not Lease.objects.filter(job_id__in=ids, outcome="failed").exists(), describe()
+    assert Lease.objects.filter(job_id__in=ids, outcome="succeeded").count() == len(ids)
+    effects = Job.objects.filter(pk__in=ids, kind="test.effect").count()
+    done = Effect.objects.filter(label="complete")
+    assert done.count() == effects and done.values("job_id").distinct().count() == effects
+    for proc in procs:
+        proc.terminate()
+    for proc in procs:
+        assert proc.wait_exit(timeout=15) == 0, proc.describe()
 
 
 def test_alter_table_under_three_busy_workers_charges_no_attempt(
@@ -70,28 +98,10 @@ def test_alter_table_under_three_busy_workers_charges_no_attempt(
             cursor.execute(statement)
         threshold = succeeded() + 15
 
-    wait_until(
-        lambda: succeeded() == JOBS,
-        60,
-        interval=0.1,
-        message=lambda: f"queue not drained after the migrations\n{describe()}",
-    )
-    assert all(proc.alive for proc in procs), workers.describe()
+    wait_until(lambda: succeeded() == JOBS, 60, interval=0.1, message=describe)
     # The workers did meet the invalidated statements, and re-prepared.
     assert any(proc.events("prepared_statement_replanned") for proc in procs), describe()
-    assert not any(proc.events("settlement_refused") for proc in procs), describe()
-    # Every job succeeded on its one charged attempt; no attempt was recorded as failed.
-    charged = list(Job.objects.filter(pk__in=ids).exclude(attempts=1).values_list("pk", "attempts"))
-    assert charged == [], describe()
-    assert not Lease.objects.filter(job_id__in=ids, outcome="failed").exists(), describe()
-    assert Lease.objects.filter(job_id__in=ids, outcome="succeeded").count() == JOBS
-    effects = Effect.objects.filter(label="complete")
-    assert effects.count() == JOBS // 2 and effects.values("job_id").distinct().count() == JOBS // 2
-
-    for proc in procs:
-        proc.terminate()
-    for proc in procs:
-        assert proc.wait_exit(timeout=15) == 0, proc.describe()
+    drained_uncharged(ids, procs, describe, "the migrations")
 
 
 @pytest.fixture
@@ -142,19 +152,7 @@ def test_a_failover_under_busy_workers_charges_no_attempt(
         cursor.execute(f'ALTER DATABASE "{name}" RESET default_transaction_read_only')
     terminate_other_sessions()
 
-    wait_until(
-        lambda: succeeded() == len(ids),
-        60,
-        interval=0.1,
-        message=lambda: f"queue not drained after the failover\n{describe()}",
-    )
-    assert all(proc.alive for proc in procs), describe()
-    assert not any(proc.events("settlement_refused") for proc in procs), describe()
-    charged = list(Job.objects.filter(pk__in=ids).exclude(attempts=1).values_list("pk", "attempts"))
-    assert charged == [], describe()
-    assert not Lease.objects.filter(job_id__in=ids, outcome="failed").exists(), describe()
-    done = Effect.objects.filter(label="complete")
-    assert done.count() == 30 and done.values("job_id").distinct().count() == 30
+    drained_uncharged(ids, procs, describe, "the failover")
 
 
 @pytest.fixture
@@ -204,20 +202,4 @@ def test_index_migrations_under_three_busy_workers_charge_no_attempt(
         assert succeeded() > before, f"no job ran during the migration\n{describe()}"
     assert succeeded() < total, "the queue drained before the migrations ended: add jobs"
 
-    wait_until(
-        lambda: succeeded() == total,
-        90,
-        interval=0.1,
-        message=lambda: f"queue not drained after the migrations\n{describe()}",
-    )
-    assert all(proc.alive for proc in procs), describe()
-    assert not any(proc.events("settlement_refused") for proc in procs), describe()
-    charged = list(Job.objects.filter(pk__in=ids).exclude(attempts=1).values_list("pk", "attempts"))
-    assert charged == [], describe()
-    assert not Lease.objects.filter(job_id__in=ids, outcome="failed").exists(), describe()
-    done = Effect.objects.filter(label="complete")
-    assert done.count() == total // 2 and done.values("job_id").distinct().count() == total // 2
-    for proc in procs:
-        proc.terminate()
-    for proc in procs:
-        assert proc.wait_exit(timeout=15) == 0, proc.describe()
+    drained_uncharged(ids, procs, describe, "the index migrations")
