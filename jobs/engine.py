@@ -445,10 +445,8 @@ def release_orphans(worker_id: str, keep: int | None = None) -> list[int]:
     if keep is not None:
         orphans = orphans.exclude(pk=keep)
     released = []
-    for pk, token in list(orphans.values_list("pk", "lease_token")):
-        job = Job.objects.filter(pk=pk).first()
-        if job is None:
-            continue
+    for job in list(orphans):
+        pk, token = job.pk, job.lease_token
         held = Claimed(
             id=pk,
             kind=job.kind,

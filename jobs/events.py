@@ -31,12 +31,16 @@ STORED_IN_LEASE = ("claimed", "settled")
 
 def events(job_id: int) -> list[JobEvent]:
     """The job's event log, oldest first (unsaved JobEvent instances for the two events a
-    lease row holds)."""
-    rows = list(JobEvent.objects.filter(job_id=job_id).order_by("pk"))
+    lease row holds); empty for a job that does not exist."""
     job = Job.objects.filter(pk=job_id).first()
-    leases = [] if job is None else attempts.leases(job)
+    return [] if job is None else job_events(job, attempts.leases(job))
+
+
+def job_events(job: Job, leases: list[Lease]) -> list[JobEvent]:
+    """``events`` of a job already read, with its attempts (``attempts.leases(job)``)."""
+    rows = list(JobEvent.objects.filter(job_id=job.pk).order_by("pk"))
     stored = {(row.event, row.lease_token) for row in rows if row.event in STORED_IN_LEASE}
-    lease_seconds = 0.0 if job is None else float(job.lease_seconds)
+    lease_seconds = float(job.lease_seconds)
     by_attempt: list[list[JobEvent]] = []
     for lease in leases:
         by_token = [row for row in rows if row.lease_token == lease.lease_token]

@@ -6,7 +6,7 @@ from datetime import datetime
 from typing import Any
 
 from . import attempts, engine
-from .events import events
+from .events import job_events
 from .models import Job, JobEvent, Lease
 from .registry import TASK_KIND
 
@@ -80,9 +80,10 @@ def job_detail_dict(job: Job) -> dict[str, Any]:
     """A job with its attempts, the resource locks it holds now (or, queued, the one it
     waits for), and its event log."""
     data = job_dict(job)
-    data["leases"] = [lease_dict(lease) for lease in attempts.leases(job)]
+    leases = attempts.leases(job)
+    data["leases"] = [lease_dict(lease) for lease in leases]
     data["locks"] = list(engine.held_locks(job.pk).values_list("resource", flat=True))
-    data["events"] = [event_dict(event) for event in events(job.pk)]
+    data["events"] = [event_dict(event) for event in job_events(job, leases)]
     # A queued job a claim found blocked: the held resource lock it waits for.
     data["waiting_for"] = job.blocked_by if job.state == "queued" else None
     return data

@@ -604,7 +604,7 @@ SELECT id, %(attempt)s, lease_token, COALESCE(leased_by, ''), COALESCE(started_a
 FROM jobs_job
 WHERE id = %(job_id)s AND state = 'running' AND lease_token = %(token)s
 {LEASE_CONFLICT}
-RETURNING cancel_requested, max(0.0, (julianday('now') - julianday(acquired_at)) * 86400.0)
+RETURNING max(0.0, (julianday('now') - julianday(acquired_at)) * 86400.0)
 """
 
 SQLITE_SETTLE_JOB = f"""
@@ -1109,8 +1109,9 @@ def _sqlite_reclaim(limit: int, job_id: int | None, cancel: bool, actor: str) ->
                 error = f"LeaseExpired: {account}"
             who = worker or ""
             ended = state != "queued"
-            rows.append([pk, token, state, error, account, ended, kind, lane, who, start, until])
-            rows[-1].append(attempts)
+            rows.append(
+                [pk, token, state, error, account, ended, kind, lane, who, start, until, attempts]
+            )
             beat_data = json.dumps({"last_heartbeat_at": beat}, default=str)
             end_data = json.dumps({"expired_at": expiry, "state": state}, default=str)
             events.append([pk, "heartbeat_missed", token, who, beat_data])
@@ -1427,7 +1428,7 @@ def _sqlite_statements(
         lease_row = run(SQLITE_SETTLE_LEASE, params).fetchone()
         settled = lease_row is not None
         if settled:
-            params["took"] = lease_row[1]
+            params["took"] = lease_row[0]  # the attempt's duration, for its count
             run(SQLITE_SETTLE_JOB, params)
             if params["has_locks"]:
                 run(SQLITE_RELEASE_LOCKS, params)

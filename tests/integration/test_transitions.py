@@ -116,6 +116,8 @@ def test_reclaim_requeues_an_expired_lease_and_fences_out_the_old_worker():
     job = Job.objects.get()
     assert job.state == State.QUEUED and "LeaseExpired" in job.last_error
     assert Lease.objects.get().outcome == Outcome.LEASE_EXPIRED
+    with pytest.raises(LeaseLost):  # back before anyone claimed it again: still refused
+        engine.complete(old, "late")
     new = claim_one("new-worker")
     assert new.lease_token == old.lease_token + 1
     # The old worker comes back: every write it attempts is rejected (I2).
@@ -128,8 +130,12 @@ def test_reclaim_requeues_an_expired_lease_and_fences_out_the_old_worker():
     ):
         with pytest.raises(LeaseLost):
             late_write()
+    # The refused settles wrote no lease row: the reclaimed attempt's record stands.
+    assert Lease.objects.get().outcome == Outcome.LEASE_EXPIRED
     engine.complete(new, "fresh")
     assert Job.objects.get().result == "fresh"
+    outcomes = list(Lease.objects.order_by("lease_token").values_list("lease_token", "outcome"))
+    assert outcomes == [(1, Outcome.LEASE_EXPIRED), (2, Outcome.SUCCEEDED)]
 
 
 def test_reclaim_never_clobbers_a_completion_that_landed_first():

@@ -220,7 +220,9 @@ def engine_violations(rows: Rows = django_rows, job_ids: Iterable[int] | None = 
     Read from the tables alone (plain SQL, so it also works on a database that restarted
     under the test): every job ended in exactly one terminal state (one terminal
     transition in its event log, plus one per operator requeue) and completed at most
-    once; every attempt has its ``claimed`` event, and every attempt that ended has
+    once; every claim left its attempt's record (lease tokens 1 to the job's token, each
+    once: the record is written when the attempt ends, so a lost one shows here); every
+    attempt has its ``claimed`` event, and every attempt that ended has
     exactly one ``settled`` or ``reclaimed`` event agreeing with its outcome; no resource
     lock is left held; and no domain write of the test handlers (``Effect``, ``Span``)
     came from a stale attempt: each lies within its own attempt's lease, and completion
@@ -231,9 +233,10 @@ def engine_violations(rows: Rows = django_rows, job_ids: Iterable[int] | None = 
     def kept(job_id: int) -> bool:
         return wanted is None or job_id in wanted
 
-    jobs = {
-        job_id: state for job_id, state in rows("SELECT id, state FROM jobs_job") if kept(job_id)
-    }
+    jobs, tokens = {}, {}
+    for job_id, state, token in rows("SELECT id, state, lease_token FROM jobs_job"):
+        if kept(job_id):
+            jobs[job_id], tokens[job_id] = state, token
     attempts = [
         _Attempt(job_id, token, outcome, _instant(acquired), _instant(released))
         for job_id, token, outcome, acquired, released in rows(
@@ -246,6 +249,14 @@ def engine_violations(rows: Rows = django_rows, job_ids: Iterable[int] | None = 
         f"job {job_id} is still {state}"
         for job_id, state in jobs.items()
         if state not in TERMINAL_STATES
+    ]
+    recorded: dict[int, list[int]] = {job_id: [] for job_id in jobs}
+    for attempt in attempts:
+        recorded.setdefault(attempt.job_id, []).append(attempt.token)
+    problems += [
+        f"job {job_id}: attempts recorded for tokens {sorted(seen)}, claimed {tokens[job_id]}"
+        for job_id, seen in recorded.items()
+        if job_id in tokens and sorted(seen) != list(range(1, tokens[job_id] + 1))
     ]
     problems += _terminal_transitions(jobs, events)
     problems += _attempt_events(attempts, events)
