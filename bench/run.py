@@ -81,6 +81,7 @@ TARGET_WRITES_CUT = 0.30  # row writes and WAL bytes per job: at least this much
 TARGET_ENQUEUE_ONE = 0.8  # enqueue(), one job per transaction, x the raw INSERT + COMMIT loop
 TARGET_INFO_LOGGING = 0.8  # one worker at LOG_LEVEL=INFO x the same worker at WARNING
 TARGET_SQLITE_ENQUEUE_MANY = 0.5  # SQLite enqueue_many x raw executemany (all databases' targets)
+TARGET_SQLITE_WORKER = 0.6  # issue 16: one SQLite worker x the SQLite raw loop
 # Today's figures (issue 16's baseline: the engine as of the issue-12 merge, b0a35e7).
 # Row writes per job is a count, the same on any machine (job u2, lease i1 u1, jobevent i2,
 # attemptcount u1; dropping indexes does not change it). WAL bytes per job: 2,587, measured
@@ -639,6 +640,13 @@ def measure(db: Database, tmp: Path, opts: Options, say: Any) -> tuple[list[Row]
                 (
                     f"≥ {TARGET_ONE_WORKER_MINIMAL:.2f}x minimal bound",
                     to_minimal >= TARGET_ONE_WORKER_MINIMAL,
+                )
+            )
+        if not pg and workers == 1:
+            row.checks.append(
+                (
+                    f"≥ {TARGET_SQLITE_WORKER:.2f}x bound",
+                    row.ratio is not None and row.ratio >= TARGET_SQLITE_WORKER,
                 )
             )
         if workers == 2:
