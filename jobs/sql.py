@@ -37,7 +37,15 @@ from typing import Any
 
 import psycopg
 from django.conf import settings
-from django.db import DatabaseError, IntegrityError, connection, transaction
+from django.db import (
+    DEFAULT_DB_ALIAS,
+    DatabaseError,
+    IntegrityError,
+    connection,
+    connections,
+    transaction,
+)
+from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.models import Count
 from django.utils.dateparse import parse_datetime
 
@@ -1448,15 +1456,14 @@ def _sqlite_claim_query(lanes_listed: bool, lane_filter: str) -> str:
 
 
 @contextmanager
-def _sqlite_cursor() -> Iterator[Callable[[str, Mapping[str, Any]], Any]]:
+def _sqlite_cursor(db: BaseDatabaseWrapper) -> Iterator[Callable[[str, Mapping[str, Any]], Any]]:
     """``run(query, params)`` on the sqlite3 cursor itself, for the hot path: the query
     converted to SQLite's ``:name`` placeholders once per statement (``_sqlite_native``),
     errors still Django's (``wrap_database_errors``). Django's cursor wrapper converted
     every query on every execution, a third of a SQLite worker's time per job."""
-    connection.ensure_connection()
-    cursor = connection.connection.cursor()
+    cursor = db.connection.cursor()
     try:
-        with connection.wrap_database_errors:
+        with db.wrap_database_errors:
             yield lambda query, params: cursor.execute(_sqlite_native(query), params)
     finally:
         cursor.close()
@@ -1470,21 +1477,23 @@ def _sqlite_immediate() -> Iterator[Callable[[str, Mapping[str, Any]], Any]]:
 
     The write lock is taken at ``BEGIN IMMEDIATE``, as ``transaction_mode: IMMEDIATE``
     takes it for ``atomic()``, with the connection's busy timeout; the statements and
-    their guards are the same ones.
+    their guards are the same ones. The connection's wrapper is looked up once: each
+    attribute read through ``django.db.connection`` is a thread-local look-up.
     """
-    connection.ensure_connection()
-    if not connection.get_autocommit():  # the caller's transaction: a savepoint of it
-        with transaction.atomic(), _sqlite_cursor() as run:
+    db = connections[DEFAULT_DB_ALIAS]
+    db.ensure_connection()
+    if not db.get_autocommit():  # the caller's transaction: a savepoint of it
+        with transaction.atomic(), _sqlite_cursor(db) as run:
             yield run
         return
-    with _sqlite_cursor() as run:
+    with _sqlite_cursor(db) as run:
         run("BEGIN IMMEDIATE", {})
         try:
             yield run
             run("COMMIT", {})
         except BaseException:
-            if connection.connection.in_transaction:
-                connection.connection.rollback()
+            if db.connection.in_transaction:
+                db.connection.rollback()
             raise
 
 
