@@ -21,7 +21,7 @@ from django.utils.dateparse import parse_datetime
 from jobs import attempts
 from jobs.models import FINISHED_STATES, Job, JobEvent, Lease, Outcome
 from tests.support.workers import WorkerPool, WorkerProc, wait_until
-from tests.testapp.models import Span
+from tests.testapp.models import Effect, Span
 
 
 def job_summary(job_ids: Iterable[int] | None = None) -> str:
@@ -463,3 +463,35 @@ def most_leases_at_once(job_ids: Iterable[int]) -> int:
         live += change
         most = max(most, live)
     return most
+
+
+def succeeded() -> int:
+    return Job.objects.filter(state="succeeded").count()
+
+
+def drained_uncharged(
+    ids: list[int], procs: list[WorkerProc], describe: Callable[[], str], after: str
+) -> None:
+    """Wait for every job to succeed, then check what a deploy must not do: no worker
+    exited or had a settle refused, every job ran on its one charged attempt, no attempt
+    was recorded as failed, and each ``test.effect`` job's effect is there exactly once.
+    Then the workers stop cleanly."""
+    wait_until(
+        lambda: succeeded() == len(ids),
+        90,
+        interval=0.1,
+        message=lambda: f"queue not drained after {after}\n{describe()}",
+    )
+    assert all(proc.alive for proc in procs), describe()
+    assert not any(proc.events("settlement_refused") for proc in procs), describe()
+    charged = list(Job.objects.filter(pk__in=ids).exclude(attempts=1).values_list("pk", "attempts"))
+    assert charged == [], describe()
+    assert not Lease.objects.filter(job_id__in=ids, outcome="failed").exists(), describe()
+    assert Lease.objects.filter(job_id__in=ids, outcome="succeeded").count() == len(ids)
+    effects = Job.objects.filter(pk__in=ids, kind="test.effect").count()
+    done = Effect.objects.filter(label="complete")
+    assert done.count() == effects and done.values("job_id").distinct().count() == effects
+    for proc in procs:
+        proc.terminate()
+    for proc in procs:
+        assert proc.wait_exit(timeout=15) == 0, proc.describe()

@@ -7,17 +7,15 @@ attempt is charged or failed for it (DESIGN §2, issue 12).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import pytest
 from django.core.management import call_command
 from django.db import connection
 
 from jobs import enqueueing
-from jobs.models import Job, Lease
-from tests.process.helpers import job_summary
-from tests.support.workers import WorkerPool, WorkerProc, wait_until
-from tests.testapp.models import Effect
+from tests.process.helpers import drained_uncharged, job_summary, succeeded
+from tests.support.workers import WorkerPool, wait_until
 
 pytestmark = [pytest.mark.process, pytest.mark.postgres, pytest.mark.timeout(120)]
 
@@ -31,38 +29,6 @@ def restore_jobs_table(transactional_db: None) -> Iterator[None]:
     with connection.cursor() as cursor:
         cursor.execute("ALTER TABLE jobs_job DROP COLUMN IF EXISTS deploy_note")
         cursor.execute("ALTER TABLE jobs_job ALTER COLUMN kind TYPE varchar(200)")
-
-
-def succeeded() -> int:
-    return Job.objects.filter(state="succeeded").count()
-
-
-def drained_uncharged(
-    ids: list[int], procs: list[WorkerProc], describe: Callable[[], str], after: str
-) -> None:
-    """Wait for every job to succeed, then check what a deploy must not do: no worker
-    exited or had a settle refused, every job ran on its one charged attempt, no attempt
-    was recorded as failed, and each ``test.effect`` job's effect is there exactly once.
-    Then the workers stop cleanly."""
-    wait_until(
-        lambda: succeeded() == len(ids),
-        90,
-        interval=0.1,
-        message=lambda: f"queue not drained after {after}\n{describe()}",
-    )
-    assert all(proc.alive for proc in procs), describe()
-    assert not any(proc.events("settlement_refused") for proc in procs), describe()
-    charged = list(Job.objects.filter(pk__in=ids).exclude(attempts=1).values_list("pk", "attempts"))
-    assert charged == [], describe()
-    assert not Lease.objects.filter(job_id__in=ids, outcome="failed").exists(), describe()
-    assert Lease.objects.filter(job_id__in=ids, outcome="succeeded").count() == len(ids)
-    effects = Job.objects.filter(pk__in=ids, kind="test.effect").count()
-    done = Effect.objects.filter(label="complete")
-    assert done.count() == effects and done.values("job_id").distinct().count() == effects
-    for proc in procs:
-        proc.terminate()
-    for proc in procs:
-        assert proc.wait_exit(timeout=15) == 0, proc.describe()
 
 
 def test_alter_table_under_three_busy_workers_charges_no_attempt(
