@@ -45,7 +45,6 @@ from django.db import (
     connections,
     transaction,
 )
-from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.models import Count
 from django.utils.dateparse import parse_datetime
 
@@ -1408,6 +1407,10 @@ def fault(exc: BaseException) -> str | None:
     return None
 
 
+# ``run(query, params)``: one statement of a SQLite transaction (``_sqlite_immediate``).
+SqliteRun = Callable[[str, Mapping[str, Any]], Any]
+
+
 def _sqlite_settle_and_claim(
     params: dict[str, Any], lane_filter: str, *, settle: bool, claim: bool
 ) -> tuple[bool, Claimed | None]:
@@ -1419,12 +1422,13 @@ def _sqlite_settle_and_claim(
     Django's autocommit switching around them (a sixth of a job's time on SQLite). Inside
     a caller's transaction it is a savepoint of it, as any ``atomic()`` block.
     """
-    with _sqlite_immediate() as run:
-        return _sqlite_statements(run, params, lane_filter, settle=settle, claim=claim)
+    return _sqlite_immediate(
+        lambda run: _sqlite_statements(run, params, lane_filter, settle=settle, claim=claim)
+    )
 
 
 def _sqlite_statements(
-    run: Callable[[str, Mapping[str, Any]], Any],
+    run: SqliteRun,
     params: dict[str, Any],
     lane_filter: str,
     *,
@@ -1455,46 +1459,45 @@ def _sqlite_claim_query(lanes_listed: bool, lane_filter: str) -> str:
     return SQLITE_CLAIM.format(lanes=lanes, lane_filter=lane_filter)
 
 
-@contextmanager
-def _sqlite_cursor(db: BaseDatabaseWrapper) -> Iterator[Callable[[str, Mapping[str, Any]], Any]]:
-    """``run(query, params)`` on the sqlite3 cursor itself, for the hot path: the query
-    converted to SQLite's ``:name`` placeholders once per statement (``_sqlite_native``),
-    errors still Django's (``wrap_database_errors``). Django's cursor wrapper converted
-    every query on every execution, a third of a SQLite worker's time per job."""
-    cursor = db.connection.cursor()
-    try:
-        with db.wrap_database_errors:
-            yield lambda query, params: cursor.execute(_sqlite_native(query), params)
-    finally:
-        cursor.close()
+def _sqlite_immediate[T](body: Callable[[SqliteRun], T]) -> T:
+    """``body(run)`` inside a ``BEGIN IMMEDIATE`` transaction of the sqlite3 connection's
+    own, for a caller outside any transaction (Django's connection is in autocommit and
+    stays so): committed when ``body`` returns, rolled back if it raises. Inside a caller's
+    transaction it is a savepoint of it, as any ``atomic()`` block.
 
-
-@contextmanager
-def _sqlite_immediate() -> Iterator[Callable[[str, Mapping[str, Any]], Any]]:
-    """``_sqlite_cursor`` inside a ``BEGIN IMMEDIATE`` transaction of the sqlite3
-    connection's own, for a caller outside any transaction (Django's connection is in
-    autocommit and stays so): committed when the block ends, rolled back if it raises.
-
-    The write lock is taken at ``BEGIN IMMEDIATE``, as ``transaction_mode: IMMEDIATE``
-    takes it for ``atomic()``, with the connection's busy timeout; the statements and
-    their guards are the same ones. The connection's wrapper is looked up once: each
-    attribute read through ``django.db.connection`` is a thread-local look-up.
+    ``run(query, params)`` executes on the sqlite3 cursor itself: the query converted to
+    SQLite's ``:name`` placeholders once per statement (``_sqlite_native``), errors still
+    Django's (``wrap_database_errors``). Django's cursor wrapper converted every query on
+    every execution (a third of a SQLite worker's time per job), and ``atomic()``'s
+    autocommit switching cost a sixth. The write lock is taken at ``BEGIN IMMEDIATE``, as
+    ``transaction_mode: IMMEDIATE`` takes it for ``atomic()``, with the connection's busy
+    timeout. A plain function, and the connection's wrapper looked up once: each attribute
+    read through ``django.db.connection`` is a thread-local look-up, and each context
+    manager a generator, measurable at this rate.
     """
     db = connections[DEFAULT_DB_ALIAS]
     db.ensure_connection()
-    if not db.get_autocommit():  # the caller's transaction: a savepoint of it
-        with transaction.atomic(), _sqlite_cursor(db) as run:
-            yield run
-        return
-    with _sqlite_cursor(db) as run:
-        run("BEGIN IMMEDIATE", {})
-        try:
-            yield run
-            run("COMMIT", {})
-        except BaseException:
-            if db.connection.in_transaction:
-                db.connection.rollback()
-            raise
+    cursor = db.connection.cursor()
+
+    def run(query: str, params: Mapping[str, Any]) -> Any:
+        return cursor.execute(_sqlite_native(query), params)
+
+    try:
+        with db.wrap_database_errors:
+            if not db.get_autocommit():  # the caller's transaction: a savepoint of it
+                with transaction.atomic():
+                    return body(run)
+            cursor.execute("BEGIN IMMEDIATE")
+            try:
+                result = body(run)
+                cursor.execute("COMMIT")
+            except BaseException:
+                if db.connection.in_transaction:
+                    db.connection.rollback()
+                raise
+            return result
+    finally:
+        cursor.close()
 
 
 @functools.lru_cache(maxsize=256)  # one entry per statement and lane filter
@@ -1502,7 +1505,7 @@ def _sqlite_native(query: str) -> str:
     return re.sub(r"%%|%\((\w+)\)s", lambda m: "%" if m[0] == "%%" else f":{m[1]}", query)
 
 
-def _sqlite_take(run: Callable[[str, Mapping[str, Any]], Any], row: Sequence[Any]) -> Claimed:
+def _sqlite_take(run: SqliteRun, row: Sequence[Any]) -> Claimed:
     """The rest of a SQLite claim: its resource locks (the lease row is the settle's)."""
     if row[9] != "[]":
         run(SQLITE_TAKE_LOCKS, {"job_id": row[0], "token": row[6], "locks": row[9]})
