@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from django.core.management import call_command
 
 from tests.support.workers import WorkerPool
 
@@ -26,3 +27,10 @@ def workers(worker_env: dict[str, str], tmp_path: Path) -> Iterator[WorkerPool]:
         yield pool
     finally:
         pool.close()
+
+
+@pytest.fixture
+def migrated_forward(transactional_db: None) -> Iterator[None]:
+    """Whatever a migration test left, later tests see every migration applied."""
+    yield
+    call_command("migrate", "jobs", verbosity=0)

@@ -18,7 +18,7 @@ from typing import Any
 from django.db import connection
 from django.utils.dateparse import parse_datetime
 
-from jobs import attempts
+from jobs import attempts, enqueueing
 from jobs.models import FINISHED_STATES, Job, JobEvent, Lease, Outcome
 from tests.support.workers import WorkerPool, WorkerProc, wait_until
 from tests.testapp.models import Effect, Span
@@ -495,3 +495,21 @@ def drained_uncharged(
         proc.terminate()
     for proc in procs:
         assert proc.wait_exit(timeout=15) == 0, proc.describe()
+
+
+def busy_fleet(
+    workers: WorkerPool, total: int, name: str
+) -> tuple[list[int], list[WorkerProc], Callable[[], str]]:
+    """A deploy test's busy fleet: ``total`` short jobs (half ``test.sleep``, half
+    ``test.effect``) and three workers running them. Returns the job ids, the workers and
+    a description of both for failure messages, once the first jobs have succeeded."""
+    sleeps = enqueueing.enqueue_many("test.sleep", [{"seconds": 0.05}] * (total // 2))
+    effects = enqueueing.enqueue_many("test.effect", [{"sleep": 0.05}] * (total // 2))
+    ids = [job.pk for job in [*sleeps, *effects]]
+    procs = [workers.start(f"{name}-{n}") for n in range(3)]
+
+    def describe() -> str:
+        return f"{job_summary(ids)}\n{workers.describe()}"
+
+    wait_until(lambda: succeeded() >= 10, 40, interval=0.05, message=describe)
+    return ids, procs, describe

@@ -10,11 +10,10 @@ import time
 from collections.abc import Iterator
 
 import pytest
-from django.core.management import call_command
 from django.db import connection
 
 from jobs import enqueueing
-from tests.process.helpers import drained_uncharged, job_summary, succeeded
+from tests.process.helpers import busy_fleet, drained_uncharged, job_summary, succeeded
 from tests.support.workers import WorkerPool, wait_until
 
 pytestmark = [pytest.mark.process, pytest.mark.postgres, pytest.mark.timeout(120)]
@@ -121,13 +120,6 @@ def test_a_failover_under_busy_workers_charges_no_attempt(
     drained_uncharged(ids, procs, describe, "the failover")
 
 
-@pytest.fixture
-def migrated_forward(transactional_db: None) -> Iterator[None]:
-    """Whatever the test left, later tests see every migration applied."""
-    yield
-    call_command("migrate", "jobs", verbosity=0)
-
-
 def job_indexes() -> dict[str, bool]:
     """jobs_job's indexes by name, each with whether it is valid (a CONCURRENTLY build
     that failed leaves an invalid one behind)."""
@@ -147,15 +139,7 @@ def test_index_migrations_under_three_busy_workers_charge_no_attempt(
     A concurrent build waits out every transaction open when it starts: a worker holding
     one across handler code would hold up the deploy for as long as its handler ran."""
     total = 450
-    sleeps = enqueueing.enqueue_many("test.sleep", [{"seconds": 0.05}] * (total // 2))
-    effects = enqueueing.enqueue_many("test.effect", [{"sleep": 0.05}] * (total // 2))
-    ids = [job.pk for job in [*sleeps, *effects]]
-    procs = [workers.start(f"index-{n}") for n in range(3)]
-
-    def describe() -> str:
-        return f"{job_summary(ids)}\n{workers.describe()}"
-
-    wait_until(lambda: succeeded() >= 10, 40, interval=0.05, message=describe)
+    ids, procs, describe = busy_fleet(workers, total, "index")
     for target, present, absent in (
         ("0010_i16_one_attempt_counter", "job_due_idx", "job_next_due_idx"),
         ("0011_i16_next_due_index", "job_next_due_idx", "job_due_idx"),

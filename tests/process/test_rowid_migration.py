@@ -9,25 +9,14 @@ PostgreSQL the migration runs no SQL, and the same checks hold.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
-from django.core.management import call_command
 from django.db import connection
 
-from jobs import enqueueing
 from jobs.models import OutcomeCount
-from tests.process.helpers import drained_uncharged, job_summary, succeeded
+from tests.process.helpers import busy_fleet, drained_uncharged, succeeded
 from tests.support.workers import WorkerPool, wait_until
 
 pytestmark = [pytest.mark.process, pytest.mark.timeout(120)]
-
-
-@pytest.fixture
-def migrated_forward(transactional_db: None) -> Iterator[None]:
-    """Whatever the test left, later tests see every migration applied."""
-    yield
-    call_command("migrate", "jobs", verbosity=0)
 
 
 def autoincrement() -> bool | None:
@@ -43,15 +32,7 @@ def test_rowid_migration_back_and_forth_under_three_busy_workers_charges_no_atte
     workers: WorkerPool, migrated_forward: None
 ) -> None:
     total = 450
-    sleeps = enqueueing.enqueue_many("test.sleep", [{"seconds": 0.05}] * (total // 2))
-    effects = enqueueing.enqueue_many("test.effect", [{"sleep": 0.05}] * (total // 2))
-    ids = [job.pk for job in [*sleeps, *effects]]
-    procs = [workers.start(f"rowid-{n}") for n in range(3)]
-
-    def describe() -> str:
-        return f"{job_summary(ids)}\n{workers.describe()}"
-
-    wait_until(lambda: succeeded() >= 10, 40, interval=0.05, message=describe)
+    ids, procs, describe = busy_fleet(workers, total, "rowid")
     sqlite = connection.vendor == "sqlite"
     for target, with_autoincrement in (
         ("0011_i16_next_due_index", True),
