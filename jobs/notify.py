@@ -156,15 +156,23 @@ class PollWaker:
 
 class SideListener:
     """LISTEN on the calling thread's own Django connection (the keeper's side
-    connection), re-issued whenever that connection was replaced (a reconnect)."""
+    connection), re-issued whenever that connection was replaced (a reconnect).
+
+    A notification sent before a LISTEN took effect is never delivered, so
+    ``subscriptions`` counts the LISTENs issued: the caller catches up on what it may
+    have missed (a cancel request, a wake-up) each time it changes.
+    """
 
     def __init__(self, channels: Sequence[str]) -> None:
         self.channels = list(channels)
+        self.subscriptions = 0
         self._on: Any = None  # the psycopg connection that LISTENs now
         self._retry_at = 0.0
         self._backoff = RECONNECT_MIN
 
-    def _ensure(self) -> Any:
+    def ensure(self) -> Any:
+        """The connection that LISTENs, (re)subscribing it if needed; None while the
+        database is unreachable (retried with backoff)."""
         raw = connection.connection
         if raw is not None and raw is self._on and not raw.closed:
             return raw
@@ -184,6 +192,7 @@ class SideListener:
                 connection.close()
             return None
         self._on, self._backoff = connection.connection, RECONNECT_MIN
+        self.subscriptions += 1
         log.info("listening", channels=self.channels)
         return self._on
 
@@ -192,7 +201,7 @@ class SideListener:
         other statements first): returns as soon as one has arrived, with every other one
         already there, so a wake-up is passed on at once (not at the end of the keeper's
         tick); None while not listening (the caller sleeps instead)."""
-        raw = self._ensure()
+        raw = self.ensure()
         if raw is None:
             return None
         try:

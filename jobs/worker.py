@@ -99,6 +99,7 @@ class _KeeperState:
     reclaim_limit: int = sql.RECLAIM_BATCH
     next_schedule: float = 0.0
     schedule_backoff: float = 0.5
+    subscriptions_seen: int = 0  # the listener's LISTENs already caught up on
 
 
 class WorkerProcess:
@@ -413,6 +414,8 @@ class WorkerProcess:
         """Read the LISTEN channels until the next job beat is due (at most
         ``KEEPER_TICK``): cancels are flagged on ``ctx``, wake-ups wake the main thread
         only while it is idle, and nothing is left unread on the server."""
+        if listener is not None:
+            self._catch_up(listener, state)
         timeout = KEEPER_TICK
         with self._current_lock:
             current = self.current
@@ -436,8 +439,25 @@ class WorkerProcess:
             return
         job, ctx = current
         if job.id in cancels and not ctx.cancel_requested:
-            log.info("cancel_request_heard", job_id=job.id)
+            log.info("cancel_request_heard", job_id=job.id, via="notify")
             ctx.mark_cancel_requested()
+
+    def _catch_up(self, listener: SideListener, state: _KeeperState) -> None:
+        """After each LISTEN (the first, which may come after the first claim, or one
+        after a reconnect): a notification sent before it took effect is lost, so the
+        current job's lease is renewed now (the renewal reads its cancel request) and an
+        idle main thread looks for work once more."""
+        if listener.ensure() is None or listener.subscriptions == state.subscriptions_seen:
+            return
+        state.subscriptions_seen = listener.subscriptions
+        with self._current_lock:
+            current = self.current
+        if current is None:
+            self._waker.wake()
+            return
+        job, ctx = current
+        state.last_job_beat = ((job.id, job.lease_token), time.monotonic())
+        self._quietly(functools.partial(self._renew, ctx))
 
     def _reclaim_budget_ms(self) -> int:
         """The reclaim's statement timeout on the side connection: a quarter of the
@@ -529,8 +549,11 @@ class WorkerProcess:
     def _renew(self, ctx: JobContext) -> None:
         if ctx.lease_lost or ctx.settling:
             return
+        already_asked = ctx.cancel_requested
         try:
             ctx.heartbeat()
+            if ctx.cancel_requested and not already_asked:
+                log.info("cancel_request_heard", job_id=ctx.job_id, via="renewal")
         except LeaseLost:
             if ctx.settling:
                 return  # the main thread settled the job while this heartbeat was in flight
