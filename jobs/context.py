@@ -13,7 +13,10 @@ from django.db import connection, transaction
 
 from . import engine, sql
 from .exceptions import Cancelled, LeaseLost
+from .log import get_logger
 from .sql import Claimed
+
+log = get_logger("jobs.context")
 
 PROGRESS_INTERVAL = 1.0  # seconds: at most one progress write per job and second
 SIDE_HEARTBEAT_TIMEOUT = 10.0  # seconds ctx.heartbeat() waits for a renewal on its own
@@ -82,8 +85,13 @@ class JobContext:
     def mark_lease_lost(self) -> None:
         self._lease_lost = True
 
-    def mark_cancel_requested(self) -> None:
-        self._cancel_requested = True
+    def mark_cancel_requested(self, via: str) -> None:
+        """Flag the operator's cancel request, logged once (``cancel_request_heard``)
+        whoever heard it first: ``via`` ``notify`` (the keeper's LISTEN) or ``renewal``
+        (a lease renewal read it: the keeper's, or the handler's ``ctx.heartbeat()``)."""
+        if not self._cancel_requested:
+            self._cancel_requested = True
+            log.info("cancel_request_heard", job_id=self.job_id, via=via)
 
     @contextmanager
     def atomic(self, complete: bool = False, result: Any = None) -> Iterator[None]:
@@ -139,7 +147,7 @@ class JobContext:
             else:
                 cancel_requested = engine.heartbeat(self.job)
             if cancel_requested:
-                self.mark_cancel_requested()
+                self.mark_cancel_requested(via="renewal")
         except LeaseLost:
             self.mark_lease_lost()
             raise

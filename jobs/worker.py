@@ -413,7 +413,8 @@ class WorkerProcess:
     def _listen(self, listener: SideListener | None, state: _KeeperState) -> None:
         """Read the LISTEN channels until the next job beat is due (at most
         ``KEEPER_TICK``): cancels are flagged on ``ctx``, wake-ups wake the main thread
-        only while it is idle, and nothing is left unread on the server."""
+        only while it is idle, and nothing is left unread on the server. First, after a
+        new LISTEN, catch up on what was notified before it (``_catch_up``)."""
         if listener is not None:
             self._catch_up(listener, state)
         timeout = KEEPER_TICK
@@ -438,9 +439,8 @@ class WorkerProcess:
                 self._waker.wake()
             return
         job, ctx = current
-        if job.id in cancels and not ctx.cancel_requested:
-            log.info("cancel_request_heard", job_id=job.id, via="notify")
-            ctx.mark_cancel_requested()
+        if job.id in cancels:
+            ctx.mark_cancel_requested(via="notify")
 
     def _catch_up(self, listener: SideListener, state: _KeeperState) -> None:
         """After each LISTEN (the first, which may come after the first claim, or one
@@ -549,11 +549,8 @@ class WorkerProcess:
     def _renew(self, ctx: JobContext) -> None:
         if ctx.lease_lost or ctx.settling:
             return
-        already_asked = ctx.cancel_requested
         try:
             ctx.heartbeat()
-            if ctx.cancel_requested and not already_asked:
-                log.info("cancel_request_heard", job_id=ctx.job_id, via="renewal")
         except LeaseLost:
             if ctx.settling:
                 return  # the main thread settled the job while this heartbeat was in flight
