@@ -149,8 +149,11 @@ INSTALLED_APPS = [
 ]
 
 MIDDLEWARE = [
+    # Every answer JSON, DEBUG or not (ops.middleware).
+    "ops.middleware.JsonErrors",
     "django.middleware.security.SecurityMiddleware",
-    "django.middleware.common.CommonMiddleware",
+    # CommonMiddleware, with no slash redirect for a POST (its body would be lost).
+    "ops.middleware.SlashRedirects",
     # No cookies or forms here (bearer tokens only), but `check --deploy` rightly wants
     # both: a view added later is protected by default.
     "django.middleware.csrf.CsrfViewMiddleware",

@@ -13,9 +13,15 @@ import structlog
 
 bind = os.environ.get("HOLDFAST_API_BIND", "127.0.0.1:8000")
 workers = int(os.environ.get("HOLDFAST_API_WORKERS", "2"))
-# Sync workers: each request is a few indexed queries; the proxy buffers slow clients.
-worker_class = "sync"
+# Sync workers (each request is a few indexed queries; the proxy buffers slow clients),
+# whose own error answers are JSON like the API's, and which give up on a client that
+# stops sending its request after a third of `timeout` (ops/gunicorn.py).
+worker_class = "ops.gunicorn.JsonErrorsWorker"
 timeout = 30  # a request running longer than this is killed (and logged) by the arbiter
+# The longest request line gunicorn takes (its maximum): a search `q` of the API's 1,000
+# characters fits in it when it is Latin text (up to 6 bytes a character, percent-encoded);
+# a longer line is refused with a JSON 400 that says so.
+limit_request_line = 8190
 graceful_timeout = 25  # on SIGTERM, in-flight requests get this long to finish
 max_requests = 10_000  # recycle workers now and then (bounded memory, whatever happens)
 max_requests_jitter = 1_000
@@ -57,11 +63,13 @@ logconfig_dict = {
     "version": 1,
     "disable_existing_loggers": False,
     "formatters": {"structlog": {"()": _formatter}},
+    "filters": {"slow_clients": {"()": "ops.gunicorn.SlowClients"}},
     "handlers": {
         "stderr": {
             "class": "logging.StreamHandler",
             "stream": "ext://sys.stderr",
             "formatter": "structlog",
+            "filters": ["slow_clients"],
         }
     },
     "root": {"handlers": ["stderr"], "level": loglevel.upper()},

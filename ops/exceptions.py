@@ -20,7 +20,8 @@ from django.core.exceptions import (
     TooManyFieldsSent,
 )
 from django.db import InterfaceError, OperationalError
-from django.http import Http404, HttpRequest, JsonResponse
+from django.http import Http404, HttpRequest, JsonResponse, UnreadablePostError
+from django.urls import Resolver404, resolve
 from rest_framework import exceptions, status
 from rest_framework.response import Response
 from rest_framework.views import set_rollback
@@ -61,13 +62,24 @@ def field_errors(detail: Any) -> dict[str, list[str]]:
     under ``body``."""
     if isinstance(detail, dict):
         return {
-            ("body" if key == "non_field_errors" else str(key)): [
-                str(message) for message in (value if isinstance(value, list) else [value])
-            ]
+            ("body" if key == "non_field_errors" else str(key)): messages_of(value)
             for key, value in detail.items()
         }
-    messages = detail if isinstance(detail, list) else [detail]
-    return {"body": [str(message) for message in messages]}
+    return {"body": messages_of(detail)}
+
+
+def messages_of(detail: Any) -> list[str]:
+    """A field's error detail as plain messages. A list field's detail is a dict of item
+    errors (``{0: [...]}``): each becomes ``item 0: …``, never a Python repr."""
+    if isinstance(detail, dict):
+        return [
+            f"item {index}: {message}"
+            for index, value in detail.items()
+            for message in messages_of(value)
+        ]
+    if isinstance(detail, list):
+        return [message for value in detail for message in messages_of(value)]
+    return [str(detail)]
 
 
 def one_line(text: str, limit: int = 1000) -> str:
@@ -87,6 +99,11 @@ def as_api_exception(exc: Exception) -> exceptions.APIException | None:
     if isinstance(exc, RequestDataTooBig):
         return PayloadTooLarge(
             f"the request body is larger than {settings.DATA_UPLOAD_MAX_MEMORY_SIZE} bytes"
+        )
+    if isinstance(exc, UnreadablePostError):  # the client stopped sending: timed out, or gone
+        return exceptions.ParseError(
+            "the request body could not be read: the client stopped sending it "
+            "(timed out or cut short)"
         )
     if isinstance(exc, TooManyFieldsSent):
         return exceptions.ParseError(
@@ -164,6 +181,19 @@ def exception_handler(exc: Exception, context: dict[str, Any]) -> Response | Non
 # --- Django's handlers, for URLs that reach no API view ---------------------------------
 
 
+def not_found_message(path: str) -> str:
+    """The 404's one line, pointing at the path with its trailing slash if that exists."""
+    message = f"no such endpoint: {path}"
+    if not path.endswith("/"):
+        try:
+            resolve(path + "/")
+        except Resolver404:
+            pass
+        else:
+            message += f" (every path ends with a slash: {path}/)"
+    return one_line(message)
+
+
 def bad_request(request: HttpRequest, exception: Exception | None = None) -> JsonResponse:
     """Django's 400 (a bad ``Host`` header, a body or query string over Django's limits,
     raised before any view runs), as JSON; an oversized body is a 413."""
@@ -182,9 +212,7 @@ def forbidden(request: HttpRequest, exception: Exception | None = None) -> JsonR
 
 
 def not_found(request: HttpRequest, exception: Exception | None = None) -> JsonResponse:
-    return JsonResponse(
-        {"error": one_line(f"no such endpoint: {request.path}"), "code": "not_found"}, status=404
-    )
+    return JsonResponse({"error": not_found_message(request.path), "code": "not_found"}, status=404)
 
 
 def server_error(request: HttpRequest) -> JsonResponse:

@@ -37,15 +37,25 @@ NOT_FOUND = error("no such id")
 CONFLICT = error("the job's or issue's state does not allow this action")
 UNSUPPORTED = error("the body is not JSON (send Content-Type: application/json)")
 DATABASE_DOWN = error("the database is unreachable; retry later")
+NOT_ALLOWED = error("this method is not allowed here (the `Allow` header lists those that are)")
+NOT_ACCEPTABLE = error("the `Accept` header excludes JSON, the only format")
+TOO_LARGE = error("the body is larger than the API accepts (DATA_UPLOAD_MAX_MEMORY_SIZE)")
 
-# Every endpoint refuses unknown query parameters (400).
-READ_ERRORS = {400: BAD_INPUT, 401: UNAUTHENTICATED, 503: DATABASE_DOWN}
-WRITE_ERRORS = {
+# Every endpoint refuses unknown query parameters (400), other methods (405) and an
+# Accept header without JSON (406); every POST parses its body first (413, 415).
+READ_ERRORS = {
     400: BAD_INPUT,
     401: UNAUTHENTICATED,
+    405: NOT_ALLOWED,
+    406: NOT_ACCEPTABLE,
+    503: DATABASE_DOWN,
+}
+WRITE_ERRORS = {
+    **READ_ERRORS,
     403: FORBIDDEN,
     404: NOT_FOUND,
-    503: DATABASE_DOWN,
+    413: TOO_LARGE,
+    415: UNSUPPORTED,
 }
 
 

@@ -68,16 +68,32 @@ class StrictCharField(serializers.CharField):
 
 
 class StrictIntegerField(serializers.IntegerField):
-    """Decimal digits only: DRF's IntegerField would also take ``2.0`` and `` 2``."""
+    """Decimal digits only: DRF's IntegerField would also take ``2.0`` and `` 2``. With
+    ``text=False`` (a JSON body, where a number has a type of its own), not ``"2"`` either."""
 
     default_error_messages = {"invalid": "must be a whole number, e.g. 2"}
 
+    def __init__(self, *, text: bool = True, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.text = text
+
     def to_internal_value(self, data: Any) -> int:
-        if isinstance(data, bool) or not (
-            isinstance(data, int) or (isinstance(data, str) and re.fullmatch(r"[0-9]{1,19}", data))
-        ):
+        digits = self.text and isinstance(data, str) and re.fullmatch(r"[0-9]{1,19}", data)
+        if isinstance(data, bool) or not (isinstance(data, int) or digits):
             self.fail("invalid")
         return super().to_internal_value(data)
+
+
+class StrictBooleanField(serializers.BooleanField):
+    """``true`` or ``false``, and only those: DRF's BooleanField also takes ``"yes"``,
+    ``1`` and ``"on"``."""
+
+    default_error_messages = {"invalid": "must be true or false"}
+
+    def to_internal_value(self, data: Any) -> bool:
+        if not isinstance(data, bool):
+            self.fail("invalid")
+        return data
 
 
 class AwareDateTimeField(serializers.DateTimeField):
@@ -89,8 +105,8 @@ class AwareDateTimeField(serializers.DateTimeField):
     }
 
     def to_internal_value(self, value: Any) -> datetime:
-        if not isinstance(value, str):
-            self.fail("invalid")
+        if not isinstance(value, str) or not re.fullmatch(r"[0-9A-Za-z:.+\-]{1,64}", value):
+            self.fail("invalid")  # also NUL and other characters no timestamp has
         # RFC 3339 also allows a lower-case t and z, and a leap second (read as :59).
         text = re.sub(r"(T\d{2}:\d{2}):60", r"\1:59", value.upper())
         try:
@@ -184,7 +200,7 @@ class RequeueDead(serializers.Serializer):
     """The body of ``POST dead-jobs/requeue/``: which dead jobs (``requeue_dead``'s choice)."""
 
     ids = serializers.ListField(
-        child=serializers.IntegerField(min_value=1, max_value=2**63 - 1),
+        child=StrictIntegerField(text=False, min_value=1, max_value=2**63 - 1),
         required=False,
         max_length=10_000,
         help_text="these jobs (one that is not dead is reported as a conflict)",
@@ -193,10 +209,10 @@ class RequeueDead(serializers.Serializer):
         required=False, max_length=200, help_text="a job kind, or a Django task's function path"
     )
     lane = StrictCharField(required=False, max_length=100)
-    all = serializers.BooleanField(
+    all = StrictBooleanField(
         required=False, default=False, help_text="every dead job (a body naming none: no job)"
     )
-    dry_run = serializers.BooleanField(required=False, default=False)
+    dry_run = StrictBooleanField(required=False, default=False)
 
 
 # --- responses (schema only) -------------------------------------------------------------

@@ -9,7 +9,7 @@ transaction, with the token's name as the actor the engine logs.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
 from django.conf import settings
@@ -102,6 +102,15 @@ def principal(request: Request) -> Principal:
     return user
 
 
+def refuse_body(request: Request) -> None:
+    """An action that takes no body refuses one (an empty JSON object aside), as the others
+    refuse a bad one: parsed first, so a body that is not JSON (415), not valid JSON (400)
+    or too large (413) is refused before anything is done."""
+    data = request.data  # {} (or an empty QueryDict) when there is no body
+    if not isinstance(data, Mapping) or data:
+        raise ValidationError({"body": ["this action takes no body (send none, or {})"]})
+
+
 def paginate(
     request: Request,
     query: dict[str, Any],
@@ -185,7 +194,6 @@ class RequeueDeadView(OpsView):
         responses={
             200: RequeueResponse,
             409: OpenApiResponse(RequeueRefusedResponse, description="nothing requeued"),
-            415: schema.UNSUPPORTED,
             **schema.WRITE_ERRORS,
         },
     )
@@ -248,6 +256,7 @@ class RequeueView(OpsView):
         responses={200: JobResponse, 409: schema.CONFLICT, **schema.WRITE_ERRORS},
     )
     def post(self, request: Request, job_id: int) -> Response:
+        refuse_body(request)
         with transaction.atomic():
             job = operations.requeue_one(job_id, actor=principal(request).name)
         return Response(job_dict(job))
@@ -270,6 +279,7 @@ class CancelView(OpsView):
         responses={200: JobResponse, 409: schema.CONFLICT, **schema.WRITE_ERRORS},
     )
     def post(self, request: Request, job_id: int) -> Response:
+        refuse_body(request)
         with transaction.atomic():
             job = operations.cancel(job_id, actor=principal(request).name)
         return Response(job_dict(job))
@@ -317,7 +327,6 @@ class ResolveView(OpsView):
         responses={
             200: IssueResponse,
             409: schema.CONFLICT,
-            415: schema.UNSUPPORTED,
             **schema.WRITE_ERRORS,
         },
     )
@@ -371,7 +380,7 @@ class MetricsView(OpsView):
         'restarts and job pruning. See docs/operations.md, "Metrics".',
         responses={
             (200, "text/plain"): OpenApiResponse(str, description="the metrics"),
-            **schema.READ_ERRORS,
+            **{status: error for status, error in schema.READ_ERRORS.items() if status != 406},
         },
     )
     def get(self, request: Request) -> HttpResponse:
@@ -392,6 +401,13 @@ class HealthView(OpsView):
     authentication_classes = [BearerTokenAuthentication]
     permission_classes = [AllowAny]
 
+    def initial(self, request: Request, *args: Any, **kwargs: Any) -> None:
+        # The database first: when it is down, that is the answer whatever the token
+        # (even one too malformed to need the database to refuse it).
+        with connection.cursor() as cursor:  # raises if the database is unreachable
+            cursor.execute("SELECT 1")
+        super().initial(request, *args, **kwargs)
+
     @extend_schema(
         operation_id="health",
         tags=["health"],
@@ -406,30 +422,36 @@ class HealthView(OpsView):
             200: HealthResponse,
             400: schema.BAD_INPUT,
             401: schema.UNAUTHENTICATED,
+            405: schema.NOT_ALLOWED,
+            406: schema.NOT_ACCEPTABLE,
             503: OpenApiResponse(
                 HealthResponse, description="failing (see `reasons`), or down: no database"
             ),
         },
     )
     def get(self, request: Request) -> Response:
-        with connection.cursor() as cursor:  # raises if the database is unreachable
-            cursor.execute("SELECT 1")
         workers, spool = worker_health(), spool_health()
         reasons = health_reasons(workers, spool)
-        status = "failing" if reasons else "ok"
-        code = 503 if reasons else 200
+        if not reasons:
+            status, code = "ok", 200
+        else:
+            status, code = "failing", 503
+            # Logged here, at warning, with the reasons: Django would log each probe's 503
+            # as an error ("Service Unavailable"), without them.
+            log.warning("api_health_failing", reasons=[reason["code"] for reason in reasons])
         if not isinstance(request.user, Principal):
-            return Response({"status": status}, status=code)
-        return Response(
-            {
+            response = Response({"status": status}, status=code)
+        else:
+            body = {
                 "status": status,
                 "reasons": reasons,
                 "database": "ok",
                 "workers": workers,
                 "spool": spool,
-            },
-            status=code,
-        )
+            }
+            response = Response(body, status=code)
+        response._has_been_logged = True  # type: ignore[attr-defined]  # see above
+        return response
 
     def handle_exception(self, exc: Exception) -> Response:
         # Also when the token could not be checked (that needs the database): down is all

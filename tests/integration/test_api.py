@@ -698,12 +698,11 @@ def committed_tokens(transactional_db) -> Tokens:
 
 def test_health_is_503_down_when_the_database_is_unreachable(client, committed_tokens, request):
     request.getfixturevalue("database_down")
-    for token in (None, committed_tokens.read):
+    # Whatever the token (docs/api.md): one too malformed to need the database included.
+    for token in (None, committed_tokens.read, "garbage"):
         response = call(client, "GET", "health/", token)
         assert response.status_code == 503
         assert response.json() == {"status": "down"}, "the token cannot be checked: no details"
-    # A malformed token is refused without asking the database.
-    assert_error(call(client, "GET", "health/", "garbage"), 401)
 
 
 @pytest.mark.parametrize(("method", "path"), [("GET", "queue/"), ("POST", "jobs/1/cancel/")])
@@ -821,7 +820,9 @@ def test_post_needs_no_cookie_and_no_csrf_token(api_tokens):
     strict = Client(enforce_csrf_checks=True)
     assert not strict.cookies
     response = strict.post(
-        f"{API}jobs/{job.pk}/cancel/", headers={"Authorization": f"Bearer {api_tokens.write}"}
+        f"{API}jobs/{job.pk}/cancel/",
+        content_type="application/json",
+        headers={"Authorization": f"Bearer {api_tokens.write}"},
     )
     assert response.status_code == 200
     assert not response.cookies

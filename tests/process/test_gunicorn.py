@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -144,3 +145,78 @@ def test_gunicorn_serves_the_auth_matrix_behind_a_tls_proxy(gunicorn: Served) ->
     text = gunicorn.log.read_text()
     for secret in (read, write, revoked):
         assert secret.split("_", 2)[2] not in text
+
+
+def raw_exchange(served: Served, request: bytes, wait: float = 20) -> tuple[int, dict, float]:
+    """Send ``request`` on a socket of its own; the answer's status, JSON body, and seconds."""
+    host, port = served.url.removeprefix("http://").split(":")
+    started = time.monotonic()
+    with socket.create_connection((host, int(port)), timeout=wait) as sock:
+        sock.sendall(request)
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert b"Content-Type: application/json" in head, answer[:500]
+    return int(head.split()[1]), json.loads(body), time.monotonic() - started
+
+
+def test_gunicorn_answers_json_on_what_it_refuses_itself(gunicorn: Served) -> None:
+    """A request line or headers over gunicorn's limits never reach Django: gunicorn used to
+    answer them with an HTML page."""
+    _, read = tokens.create("reader", "read")
+    too_long = gunicorn.get("/internal/v1/dead-jobs/?lane=" + "a" * 9000, read)
+    assert too_long.status_code == 400
+    assert too_long.headers["Content-Type"] == "application/json"
+    assert "Request Line is too large" in too_long.json()["error"]
+    huge_header = gunicorn.get("/internal/v1/queue/", read, **{"X-Padding": "p" * 9000})
+    assert huge_header.status_code == 431
+    assert huge_header.json()["code"] == "headers_too_large"
+    # A query within the API's own limit of 1,000 characters fits the request line.
+    search = gunicorn.get("/internal/v1/search/?q=" + "é" * 1000, read)
+    assert search.status_code == 200, search.text
+
+
+def test_gunicorn_reads_a_chunked_body_as_sent(gunicorn: Served) -> None:
+    _, write = tokens.create("ops-bot", "write")
+    job = enqueueing.enqueue("test.permanent")
+    engine.fail(claim_one(), failure(permanent=True), backoff_seconds=0)
+    body = json.dumps({"ids": [job.pk], "dry_run": True}).encode()
+    response = httpx.post(
+        gunicorn.url + "/internal/v1/dead-jobs/requeue/",
+        content=iter([body[:5], body[5:]]),  # an iterable: sent chunked, no Content-Length
+        headers={**PROXY, "Authorization": f"Bearer {write}", "Content-Type": "application/json"},
+        timeout=10,
+    )
+    assert response.request.headers.get("Transfer-Encoding") == "chunked"
+    assert response.status_code == 200, response.text
+    assert response.json() == {"requeued": [job.pk], "dry_run": True, "conflicts": []}
+
+
+def test_a_client_that_stops_sending_holds_one_request_for_a_bounded_time(
+    gunicorn: Served,
+) -> None:
+    """Half a body, then silence: a JSON 400 after the read timeout (a third of gunicorn's
+    30 s), not an HTML 500 when the arbiter kills the worker; a stalled request line just
+    closes. Meanwhile the other worker serves everyone else."""
+    _, write = tokens.create("ops-bot", "write")
+    head = (
+        "POST /internal/v1/reconciliation-issues/1/resolve/ HTTP/1.1\r\nHost: localhost\r\n"
+        "X-Forwarded-Proto: https\r\nContent-Type: application/json\r\n"
+        f"Authorization: Bearer {write}\r\nContent-Length: 100\r\n\r\n"
+    )
+    status, body, took = raw_exchange(gunicorn, head.encode() + b'{"comm')
+    assert (status, body["code"]) == (400, "parse_error"), body
+    assert 8 < took < 20, took
+    host, port = gunicorn.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=20) as sock:
+        sock.sendall(b"GET /internal/v1/health/ HTTP/1.1\r\nHost: localhost\r\n")
+        started = time.monotonic()
+        assert sock.recv(100) == b""  # closed, without an answer to half a request
+        assert 8 < time.monotonic() - started < 20
+    gunicorn.process.send_signal(signal.SIGTERM)
+    gunicorn.process.wait(timeout=30)
+    lines = [json.loads(line) for line in gunicorn.log.read_text().splitlines()]
+    slow = [line for line in lines if line["event"].startswith("client too slow")]
+    assert [line["level"] for line in slow] == ["warning"]
+    assert not [line for line in lines if line["level"] in ("error", "critical")], lines
