@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import heapq
+import itertools
 import json
 import os
 import sqlite3
@@ -586,27 +587,34 @@ def apply_batch(
 def quarantine_issue(entry: Entry, using: str) -> int:
     """The file's open reconciliation issue, inside the caller's transaction.
 
-    An open issue of the same file and bytes is reused (the move is being retried after a
-    crash). Otherwise a new one opens; if the same bytes were quarantined before (the
-    earlier issue resolved, or under another name) the new issue names the earlier ones
-    in ``details.previous_issues`` and ``submission_quarantined_again`` is logged, so a
-    file put back unchanged is seen again, not silently dropped. It commits on the
-    ingester's own connection.
+    An open issue of the very same file is reused: the move is being retried (after a
+    crash, or a move that failed). "The very same file" is the same name, bytes, inode and
+    change time (``details.read_as``): a file put back into ``incoming/`` after its
+    quarantine was renamed twice since (each rename changes its ctime), so it is a new
+    quarantine even while the earlier issue is still open. Otherwise a new issue opens;
+    if the same bytes were quarantined before (the earlier issue open or resolved, or
+    under another name) the new issue names the earlier ones in
+    ``details.previous_issues`` and ``submission_quarantined_again`` is logged, so a file
+    put back unchanged is seen again, not silently dropped. It commits on the ingester's
+    own connection.
     """
     kind = IssueKind.QUARANTINED_SUBMISSION
     earlier = find_issues(kind, entry.hash, using)
-    for issue_id, subject, status in earlier:
-        if subject == printable(entry.name) and status == "open":
-            return issue_id
+    identity = entry.identity
+    read_as = f"{identity.dev}:{identity.ino}:{identity.ctime_ns}"
+    for issue_id, subject, status, seen_as in earlier:
+        if subject == printable(entry.name) and status == "open" and seen_as in (read_as, None):
+            return issue_id  # (None: an issue opened before read_as was recorded)
     details: dict[str, Any] = {
         "hash": entry.hash,
+        "read_as": read_as,
         "stage": entry.stage,
         "error": entry.error,
         "errors": entry.errors,
         "error_count": entry.error_count,
         "size": entry.size or entry.identity.size,
     }
-    previous = [issue_id for issue_id, _, _ in earlier] if entry.hash else []
+    previous = [issue_id for issue_id, _, _, _ in earlier] if entry.hash else []
     if previous:
         details["previous_issues"] = previous
     subject = printable(entry.name)
@@ -665,6 +673,52 @@ def reason_of(entry: Entry, issue_id: int | None) -> dict[str, Any]:
     }
 
 
+REASON_SUFFIX = ".reason.json"
+
+
+def quarantine_target(failed: Path, entry: Entry) -> Path:
+    """Where in ``failed/`` a rejected file goes: under its own name unless that name, or
+    its reason's, is taken (an earlier file of the same name, or a submission that was
+    itself named ``<name>.json.reason.json``: never written over), or the reason's name
+    would pass the file system's limit on a name (a 250-byte name is a valid one); then
+    ``<stem>.<hash or time>[.<n>].json``, the stem shortened as needed. The reason file
+    keeps the original name."""
+    limit = name_limit(failed)
+    stem = entry.name.removesuffix(".json")
+    tag = entry.hash[:12] if entry.hash else f"{time.time_ns():x}"
+    for n in itertools.count():
+        if n == 0:
+            name = entry.name
+        else:
+            suffix = f".{tag}.json" if n == 1 else f".{tag}.{n}.json"
+            room = limit - len(os.fsencode(suffix + REASON_SUFFIX))
+            name = shortened(stem, room) + suffix
+        if len(os.fsencode(name + REASON_SUFFIX)) > limit:
+            continue
+        target = failed / name
+        if not (os.path.lexists(target) or os.path.lexists(str(target) + REASON_SUFFIX)):
+            return target
+    raise AssertionError("unreachable")  # itertools.count() never ends
+
+
+def name_limit(directory: Path) -> int:
+    """The longest file name ``directory``'s file system takes, in bytes (255 on Linux)."""
+    try:
+        return os.pathconf(directory, "PC_NAME_MAX")
+    except (OSError, ValueError):
+        return 255
+
+
+def shortened(stem: str, size: int) -> str:
+    """``stem`` cut to at most ``size`` bytes of its file-system encoding, never inside a
+    character."""
+    encoded = os.fsencode(stem)
+    while len(encoded) > size:
+        stem = stem[:-1]
+        encoded = os.fsencode(stem)
+    return stem
+
+
 def quarantine(
     spool: Spool, entry: Entry, issue_id: int | None, incoming: int | None = None
 ) -> Path | None:
@@ -674,11 +728,8 @@ def quarantine(
     try:
         if not same_file(directory, entry):
             return None
-        target = spool.failed / entry.name
-        if os.path.lexists(target):  # an earlier file of the same name is there: keep both
-            suffix = entry.hash[:12] if entry.hash else f"{time.time_ns():x}"
-            target = spool.failed / f"{entry.name.removesuffix('.json')}.{suffix}.json"
-        reason_path = target.with_name(target.name + ".reason.json")
+        target = quarantine_target(spool.failed, entry)
+        reason_path = target.with_name(target.name + REASON_SUFFIX)
         reason = json.dumps(reason_of(entry, issue_id), indent=2) + "\n"
         blobs.write_durably(reason_path, reason.encode())
         os.rename(entry.name, target, src_dir_fd=directory)
@@ -755,6 +806,7 @@ class Writer:
         self.failures = 0
         self.next_try = 0.0
         self.last_error = ""
+        self.finish_failures: dict[str, int] = {}  # name -> failed deletes or moves in a row
 
     def __len__(self) -> int:
         return len(self.buffer)
@@ -968,8 +1020,20 @@ class Writer:
                             error_count=entry.error_count,
                             hash=entry.hash,
                         )
-            except OSError as exc:  # committed already: the next scan finishes the file
-                log.error("spool_finish_failed", file=entry.name, error=str(exc))
+            except OSError as exc:
+                # Committed already (the ack, or the issue): the file is finished by a later
+                # try, after a growing delay, and the stuck rule names why it waits (a name
+                # the file system refuses, failed/ not writable) instead of re-reading it
+                # at once, again and again.
+                failures = self.finish_failures[entry.name] = (
+                    self.finish_failures.get(entry.name, 0) + 1
+                )
+                verb = "move it to failed/" if entry.name in result.issues else "delete it"
+                detail = f"{printable(entry.name)}: cannot {verb}: {exc}"
+                log.error("spool_finish_failed", file=entry.name, error=str(exc), tries=failures)
+                self.report(entry.name, RETRY, detail, FLUSH_RETRY.delay(failures))
+                continue
+            self.finish_failures.pop(entry.name, None)
             self.report(entry.name, outcome, "", 0.0)
 
 

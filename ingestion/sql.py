@@ -85,8 +85,8 @@ POSTGRES_ACKED = (
     f"SELECT hash FROM {ACKS} WHERE hash IN (SELECT jsonb_array_elements_text(%s::jsonb))"
 )
 POSTGRES_FIND_ISSUES = (
-    f"SELECT id, subject, status FROM {ISSUES} WHERE kind = %s AND details->>'hash' = %s "
-    "ORDER BY id"
+    f"SELECT id, subject, status, details->>'read_as' FROM {ISSUES} "
+    "WHERE kind = %s AND details->>'hash' = %s ORDER BY id"
 )
 POSTGRES_OPEN_ISSUE = (
     f"INSERT INTO {ISSUES} (kind, source, subject, details, status, resolved_by, comment) "
@@ -116,8 +116,8 @@ SQLITE_LABS = (
 SQLITE_LAB_IDS = f"SELECT name, id FROM {LABS} WHERE name IN (SELECT value FROM json_each(%s))"
 SQLITE_ACKED = f"SELECT hash FROM {ACKS} WHERE hash IN (SELECT value FROM json_each(%s))"
 SQLITE_FIND_ISSUES = (
-    f"SELECT id, subject, status FROM {ISSUES} WHERE kind = %s "
-    "AND json_extract(details, '$.hash') = %s ORDER BY id"
+    f"SELECT id, subject, status, json_extract(details, '$.read_as') FROM {ISSUES} "
+    "WHERE kind = %s AND json_extract(details, '$.hash') = %s ORDER BY id"
 )
 SQLITE_OPEN_ISSUE = (
     f"INSERT INTO {ISSUES} (kind, source, subject, details, status, resolved_by, comment, "
@@ -227,10 +227,16 @@ def insert_acks(rows: Sequence[AckWrite], using: str = DEFAULT_DB_ALIAS) -> None
     execute(using, POSTGRES_ACKS if pg else SQLITE_ACKS, [json.dumps(document)])
 
 
-def find_issues(kind: str, hash: str, using: str = DEFAULT_DB_ALIAS) -> list[tuple[int, str, str]]:
-    """(id, subject, status) of the issues of ``kind`` about the bytes ``hash``, oldest first."""
+def find_issues(
+    kind: str, hash: str, using: str = DEFAULT_DB_ALIAS
+) -> list[tuple[int, str, str, str | None]]:
+    """(id, subject, status, ``details.read_as``) of the issues of ``kind`` about the bytes
+    ``hash``, oldest first."""
     statement = POSTGRES_FIND_ISSUES if _postgres(using) else SQLITE_FIND_ISSUES
-    return [(int(i), str(s), str(t)) for i, s, t in execute(using, statement, [kind, hash])]
+    return [
+        (int(i), str(s), str(t), None if r is None else str(r))
+        for i, s, t, r in execute(using, statement, [kind, hash])
+    ]
 
 
 def open_issue(kind: str, subject: str, details: dict[str, Any], using: str) -> int:

@@ -11,8 +11,10 @@ The checks, in order, each naming its ``stage`` in the error:
 
 * ``limits``: the file is larger than ``max_file_bytes`` (checked before parsing);
 * ``json``: not UTF-8 JSON; NaN or infinities; a non-integer number longer than
-  ``max_number_chars`` or outside a double's finite range; an integer of more than
-  4,300 digits;
+  ``max_number_chars``, outside a double's finite range, or with more than
+  ``max_decimals`` digits after the point (``1e-20000``: PostgreSQL's numeric holds no
+  more than 16,383); an integer of more than 4,300 digits; an object that names a key
+  twice;
 * ``schema``: the JSON Schema below (validated with ``jsonschema``); every error is kept
   (the first :data:`MAX_ERRORS` of them, and their count);
 * ``limits``: more facts than ``max_facts``, an excerpt over ``max_excerpt_bytes``,
@@ -44,6 +46,8 @@ from typing import Any
 
 from django.conf import settings
 from jsonschema import Draft202012Validator  # type: ignore[import-untyped]
+
+from jobs import timestamps
 
 SCHEMA_ID = "holdfast.submission/v1"
 MIB = 1024 * 1024
@@ -135,6 +139,9 @@ EARLIEST = datetime(1970, 1, 1, tzinfo=UTC)
 LATEST = datetime(9999, 12, 30, tzinfo=UTC)
 
 
+MAX_DECIMALS = 16_383
+
+
 @dataclass(frozen=True)
 class Limits:
     """Size limits; each one exceeded is a reason to quarantine the submission."""
@@ -146,6 +153,9 @@ class Limits:
     max_key_chars: int = DEFAULT_MAX_KEY_CHARS
     max_string_bytes: int = DEFAULT_MAX_STRING_BYTES
     max_number_chars: int = DEFAULT_MAX_NUMBER_CHARS
+    # Digits after the point of a number kept exactly (a Decimal): PostgreSQL's numeric
+    # holds at most 16,383 (1e-400 fits; 1e-20000, eight characters, does not).
+    max_decimals: int = MAX_DECIMALS
 
     @classmethod
     def from_settings(cls) -> Limits:
@@ -214,7 +224,25 @@ class _NumberError(ValueError):
     pass
 
 
-def _float_hook(limit: int) -> Any:
+class _DuplicateKey(ValueError):
+    pass
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """``object_pairs_hook`` for ``json.loads``: an object that names a key twice is
+    refused. Parsers disagree on which value wins (RFC 8259, 4); here the last one did,
+    so a second ``"lab"`` sent the facts to another lab without a word."""
+    document = dict(pairs)
+    if len(document) != len(pairs):
+        seen: set[str] = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise _DuplicateKey(f"an object names the key {key[:100]!r} twice")
+            seen.add(key)
+    return document
+
+
+def _float_hook(limit: int, decimals: int) -> Any:
     """``parse_float`` for ``json.loads``: bounded, and exact.
 
     A number whose shortest float repr is the same number as its text stays a float
@@ -230,9 +258,15 @@ def _float_hook(limit: int) -> Any:
         if not math.isfinite(value):
             raise _NumberError(f"number {text} is out of range")
         shortest = repr(value)
-        if shortest == text or Decimal(shortest) == Decimal(text):
+        exact = Decimal(text)
+        if shortest == text or Decimal(shortest) == exact:
             return value
-        return Decimal(text)
+        if -exact.as_tuple().exponent > decimals:  # type: ignore[operator]  # finite: an int
+            raise _NumberError(
+                f"number {text[:20]} has more than {decimals} digits after the point "
+                "(PostgreSQL's numeric holds no more)"
+            )
+        return exact
 
     return parse_float
 
@@ -348,25 +382,22 @@ def _check_string(value: str, path: str, limits: Limits) -> None:
 
 def parse_time(text: str) -> datetime:
     try:
-        moment = datetime.fromisoformat(text)
-    except ValueError:
+        moment = timestamps.parse(text)
+    except timestamps.NaiveTime:
+        raise InvalidSubmission(
+            "semantic", f"submitted_at {text!r} has no UTC offset (add Z or +hh:mm)"
+        ) from None
+    except timestamps.OutOfRange:
+        moment = None
+    except timestamps.InvalidTime:
         raise InvalidSubmission(
             "semantic", f"submitted_at {text!r} is not an ISO 8601 time"
         ) from None
-    if moment.tzinfo is None:
+    if moment is None or not EARLIEST <= moment <= LATEST:
         raise InvalidSubmission(
-            "semantic", f"submitted_at {text!r} has no UTC offset (add Z or +hh:mm)"
+            "semantic",
+            f"submitted_at {text!r} is outside {EARLIEST:%Y-%m-%d} .. {LATEST:%Y-%m-%d} (UTC)",
         )
-    outside = InvalidSubmission(
-        "semantic",
-        f"submitted_at {text!r} is outside {EARLIEST:%Y-%m-%d} .. {LATEST:%Y-%m-%d} (UTC)",
-    )
-    try:
-        moment = moment.astimezone(UTC)
-    except (OverflowError, ValueError):  # 0001-01-01T00:00:00+01:00 is before year 1 in UTC
-        raise outside from None
-    if not EARLIEST <= moment <= LATEST:
-        raise outside
     return moment
 
 
@@ -417,12 +448,13 @@ def _parse(raw: bytes, limits: Limits, hash: str | None) -> Submission:
     try:
         document = json.loads(
             raw.decode("utf-8"),
-            parse_float=_float_hook(limits.max_number_chars),
+            parse_float=_float_hook(limits.max_number_chars, limits.max_decimals),
             parse_constant=_no_constants,
+            object_pairs_hook=_unique_keys,
         )
     except UnicodeDecodeError as exc:
         raise InvalidSubmission("json", f"not UTF-8: {exc}") from None
-    except _NumberError as exc:
+    except (_NumberError, _DuplicateKey) as exc:
         raise InvalidSubmission("json", str(exc)) from None
     except (ValueError, RecursionError) as exc:
         raise InvalidSubmission("json", f"invalid JSON: {exc}") from None

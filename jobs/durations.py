@@ -16,7 +16,7 @@ EXAMPLES = "e.g. 14d, 12h, 30m, 90s, 2w"
 
 def parse(text: str) -> timedelta:
     """``text`` as a timedelta; ValueError (saying what is wrong) otherwise."""
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhdw])\s*", text)
+    match = re.fullmatch(r"([0-9]+(?:\.[0-9]+)?)([smhdw])", text, re.ASCII)
     if match is None:
         raise ValueError(f"not a duration: {text!r} (use {EXAMPLES})")
     try:

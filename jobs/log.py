@@ -115,6 +115,13 @@ def configure(force: bool = False) -> None:
     _configured = True
 
 
+def json_logs() -> None:
+    """Log JSON lines from now on, whatever ``LOG_FORMAT`` says: ``--json`` of a command
+    whose output is its log (``runworker``, ``runscheduler``)."""
+    settings.LOG_FORMAT = "json"
+    configure(force=True)
+
+
 def get_logger(name: str) -> Any:
     return structlog.get_logger(name)
 

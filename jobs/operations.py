@@ -16,9 +16,12 @@ import psycopg
 from django.db import IntegrityError, OperationalError, connection, transaction
 from django.db.models import F, Q, QuerySet
 from django.db.models.functions import Now
+from django.tasks import Task
+from django.utils.module_loading import import_string
 
-from . import engine, enqueueing, notify, retention, sql
+from . import engine, enqueueing, lanes, notify, registry, retention, sql
 from .exceptions import (
+    InvalidJob,
     JobNotFound,
     StateConflict,
     UnknownKind,
@@ -43,6 +46,31 @@ def kind_filter(kind: str) -> Q:
     """Jobs of ``kind``: a handler's kind, or the path of a Django task function (all tasks
     are ``django.task`` jobs; ``args["task"]`` names the function)."""
     return Q(kind=kind) | Q(kind=TASK_KIND, args__task=kind)
+
+
+def check_filters(kind: str | None, lane: str | None) -> None:
+    """A filter naming a kind or lane that nothing knows is bad input (DESIGN §8: an
+    unknown kind is exit 2), not an empty answer: a typo must not look like "none". Known
+    is a declared lane or a registered handler (or Django task), or any job row that
+    has it (a kind retired since, a lane removed from settings). Called when a filtered
+    answer came back empty, so the look-up costs only then."""
+    declared = lanes.lanes()
+    if lane is not None and lane not in declared and not Job.objects.filter(lane=lane).exists():
+        names = ", ".join(sorted(declared))
+        raise InvalidJob(f"unknown lane {lane!r} (no job has it; declared: {names})")
+    if kind is None or kind in registry.kinds() or is_task(kind):
+        return
+    if not Job.objects.filter(kind_filter(kind)).exists():
+        raise UnknownKind(f"unknown kind {kind!r}: no handler, no task and no job of it")
+
+
+def is_task(path: str) -> bool:
+    """Is ``path`` the dotted path of a Django task function (``@task``)?"""
+    try:
+        found = import_string(path)
+    except (ImportError, ValueError):
+        return False
+    return isinstance(found, Task)
 
 
 def dead_jobs(
@@ -99,12 +127,12 @@ def requeue_each(
 
     for job in jobs:
         key = job.unique_key
+        if job.state != State.DEAD:  # first: a live job "holds" its own key
+            conflict(job, f"job {job.pk} is {job.state}, not dead: nothing to requeue")
+            continue
         if key and key in holders:
             holder, state = holders[key]
             conflict(job, f"job {job.pk}: its unique key {key!r} is held by job {holder} ({state})")
-            continue
-        if job.state != State.DEAD:
-            conflict(job, f"job {job.pk} is {job.state}, not dead: nothing to requeue")
             continue
         if not dry_run:
             try:

@@ -111,6 +111,12 @@ def get_handler(kind: str) -> HandlerSpec:
         raise UnknownKind(f"no handler is registered for job kind {kind!r}") from None
 
 
+def kinds() -> frozenset[str]:
+    """The kinds this process has handlers for."""
+    autodiscover()
+    return frozenset(_handlers)
+
+
 def all_handlers() -> list[HandlerSpec]:
     autodiscover()
     return [_handlers[kind] for kind in sorted(_handlers)]

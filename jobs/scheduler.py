@@ -21,7 +21,7 @@ from django.db.models import F
 from django.db.models.functions import Now
 
 from . import engine, enqueueing, retention
-from .exceptions import HoldfastError
+from .exceptions import HoldfastError, StateConflict
 from .log import get_logger
 from .models import CatchUp, Job, Schedule
 from .schedules import catch_up, declared, next_slot
@@ -177,6 +177,11 @@ def run_now(name: str, actor: str = "operator") -> Job:
     While such a manual run is queued or running, asking again returns that job.
     """
     row = get(name)
+    if not row.declared:  # its source disabled, or its code or setting removed
+        raise StateConflict(
+            f"schedule {name!r} is no longer declared (a disabled source, or removed from "
+            "code or settings): nothing to run"
+        )
     job = enqueueing.enqueue(
         row.kind, row.args, lane=row.lane, unique_key=f"schedule:{name}:manual"
     )

@@ -12,7 +12,7 @@ that they name the same fields, so the schema cannot drift from what is served.
 from __future__ import annotations
 
 import re
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Any
 
 from django.core.exceptions import ValidationError as DjangoValidationError
@@ -21,6 +21,7 @@ from rest_framework import serializers
 
 from ingestion.models import IssueKind, IssueStatus
 from ingestion.search import DEFAULT_LIMIT, MAX_LIMIT, MAX_QUERY_CHARS
+from jobs import timestamps
 from jobs.models import Outcome, State
 
 PAGE_SIZE_DEFAULT = 50
@@ -105,19 +106,11 @@ class AwareDateTimeField(serializers.DateTimeField):
     }
 
     def to_internal_value(self, value: Any) -> datetime:
-        if not isinstance(value, str) or not re.fullmatch(r"[0-9A-Za-z:.+\-]{1,64}", value):
-            self.fail("invalid")  # also NUL and other characters no timestamp has
-        # RFC 3339 also allows a lower-case t and z, and a leap second (read as :59).
-        text = re.sub(r"(T\d{2}:\d{2}):60", r"\1:59", value.upper())
         try:
-            parsed = datetime.fromisoformat(text)
-        except ValueError:
-            self.fail("invalid")
-        if parsed.tzinfo is None or parsed.utcoffset() is None:
+            return timestamps.parse(value)
+        except timestamps.NaiveTime:
             self.fail("naive")
-        try:
-            return parsed.astimezone(UTC)
-        except (OverflowError, ValueError):  # e.g. 0001-01-01T00:00:00+01:00
+        except timestamps.InvalidTime:
             self.fail("invalid")
 
 

@@ -7,9 +7,12 @@ usage errors and bad input, always with a one-line reason on stderr and no trace
 from __future__ import annotations
 
 import argparse
+import functools
 import json
+import math
+import re
 from datetime import timedelta
-from typing import Any
+from typing import Any, NoReturn
 
 from django.core.exceptions import ImproperlyConfigured
 from django.core.management.base import BaseCommand, CommandError, CommandParser
@@ -48,16 +51,39 @@ def failed(message: str) -> CommandError:
     return CommandError(message, returncode=1)
 
 
+# Django's own options: not the command's input.
+DJANGO_OPTIONS = frozenset(
+    {"settings", "pythonpath", "traceback", "no_color", "force_color", "verbosity", "skip_checks"}
+)
+
+
 class JobsCommand(BaseCommand):
-    """A command with ``--json`` whose engine errors map onto the exit-code contract."""
+    """A command with ``--json`` whose engine errors map onto the exit-code contract.
+
+    Every text argument is checked before the command runs: an empty or blank one is bad
+    input (it used to mean "not given", so ``--lane ''`` chose the default lane and
+    ``--expires-in ''`` a token that never expires), and so is one that is not valid
+    UTF-8 (bytes a shell passed through, which no database column takes). A usage error
+    is one line on stderr, as every other refusal.
+    """
 
     requires_system_checks: list[str] = []
 
     def add_arguments(self, parser: CommandParser) -> None:
         parser.add_argument("--json", action="store_true", dest="as_json", help="print JSON")
 
+    def create_parser(self, prog_name: str, subcommand: str, **kwargs: Any) -> CommandParser:
+        parser = super().create_parser(prog_name, subcommand, **kwargs)
+        self.names = {
+            action.dest: (action.option_strings[-1] if action.option_strings else action.dest)
+            for action in parser._actions
+        }
+        parser.error = functools.partial(one_line_error, parser)  # type: ignore[method-assign]
+        return parser
+
     def execute(self, *args: Any, **options: Any) -> str | None:
         try:
+            self.check_text(options)
             return super().execute(*args, **options)
         except CommandError:
             raise
@@ -69,8 +95,49 @@ class JobsCommand(BaseCommand):
             first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
             raise failed(f"database error: {first_line}") from None
 
+    def check_text(self, options: dict[str, Any]) -> None:
+        names = getattr(self, "names", {})
+        for dest, value in options.items():
+            values = value if isinstance(value, list) else [value]
+            for text in values:
+                if dest in DJANGO_OPTIONS or not isinstance(text, str):
+                    continue
+                name = names.get(dest, dest)
+                if not text.strip():
+                    raise bad_input(f"{name} must not be empty")
+                try:
+                    text.encode("utf-8")
+                except UnicodeEncodeError:
+                    raise bad_input(f"{name} is not valid UTF-8 text") from None
+
     def emit_json(self, data: Any) -> None:
         self.stdout.write(json.dumps(data, indent=2, default=str))
+
+
+def one_line_error(parser: CommandParser, message: str) -> NoReturn:
+    """argparse's error, as one line (its usage block went before the reason)."""
+    if not parser.called_from_command_line:
+        raise CommandError(f"Error: {message}", returncode=2)
+    parser.exit(2, f"{parser.prog}: error: {message} (see --help)\n")
+
+
+def whole_number(text: str) -> int:
+    """argparse type for an integer option: ASCII digits (and a sign) only; ``int()``
+    also takes ``' 5'`` and Arabic-Indic or other scripts' digits."""
+    if not re.fullmatch(r"[-+]?[0-9]{1,19}", text, re.ASCII):
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}")
+    return int(text)
+
+
+def decimal_number(text: str) -> float:
+    """argparse type for a number of seconds and the like: ASCII, finite (``float()``
+    also takes ``' 5'``, other scripts' digits, ``'nan'`` and ``'inf'``)."""
+    if not re.fullmatch(r"[-+]?[0-9]+(\.[0-9]+)?([eE][-+]?[0-9]+)?", text, re.ASCII):
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}")
+    value = float(text)
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"out of range: {text!r}")
+    return value
 
 
 def parse_duration(text: str) -> timedelta:
@@ -86,10 +153,9 @@ MAX_ROW_ID = 2**63 - 1
 
 def row_id(text: str) -> int:
     """argparse type for a job or issue id: a whole number the database can hold."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an id: {text!r}") from None
+    if not re.fullmatch(r"[0-9]{1,19}", text, re.ASCII):
+        raise argparse.ArgumentTypeError(f"not an id: {text!r}")
+    value = int(text)
     if not 1 <= value <= MAX_ROW_ID:
         raise argparse.ArgumentTypeError(f"no such id: {text}")
     return value
@@ -97,10 +163,9 @@ def row_id(text: str) -> int:
 
 def limit(text: str) -> int:
     """argparse type for --limit: 1 to 100,000 rows."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not re.fullmatch(r"[0-9]{1,6}", text, re.ASCII):
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}")
+    value = int(text)
     if not 1 <= value <= 100_000:
         raise argparse.ArgumentTypeError("--limit must be from 1 to 100000")
     return value

@@ -64,7 +64,7 @@ def drop(the_spool: Spool) -> Drop:
         if isinstance(content, dict):
             content = json.dumps(content)
         data = content.encode() if isinstance(content, str) else content
-        staging = the_spool.root / f".{name}.partial"
+        staging = the_spool.root / ".drop.partial"  # not the name: it may be 255 bytes
         staging.write_bytes(data)
         target = the_spool.incoming / name
         staging.rename(target)
@@ -290,6 +290,19 @@ POISON: dict[str, tuple[bytes | dict[str, Any], str, str]] = {
         "semantic",
         "surrogate",
     ),
+    "duplicate-key": (
+        b'{"schema": "holdfast.submission/v1", "lab": "lab-a", "lab": "lab-evil", '
+        b'"submitted_at": "2026-11-30T10:00:00Z", "facts": []}',
+        "json",
+        "names the key 'lab' twice",
+    ),
+    "too-many-decimals": (  # eight characters; PostgreSQL's numeric refuses it (22003)
+        b'{"schema": "holdfast.submission/v1", "lab": "l", "submitted_at": '
+        b'"2026-11-30T10:00:00Z", "facts": [{"entity": "e", "key": "k", '
+        b'"attributes": {"x": 1e-20000}}]}',
+        "json",
+        "more than 16383 digits after the point",
+    ),
     "same-fact-twice": (
         submission(facts=[{"entity": "run", "key": "a", "attributes": {}}] * 2),
         "semantic",
@@ -367,6 +380,88 @@ def test_a_second_poison_file_of_the_same_name_keeps_the_first(
         f"x.{digest[:12]}.json.reason.json",
     }
     assert ReconciliationIssue.objects.count() == 2
+
+
+def test_a_file_named_like_a_reason_is_never_written_over(
+    db: None, the_spool: Spool, drop: Drop
+) -> None:
+    """``x.json.reason.json`` is a submission name like any other: once it is in
+    failed/, the reason of a later ``x.json`` must go elsewhere, not over it."""
+    first = drop("x.json.reason.json", b"precious, if not json")
+    digest = sha(first)
+    drain(the_spool, stuck_after=5)
+    second = drop("x.json", b"not json either")
+    second_digest = sha(second)
+    drain(the_spool, stuck_after=5)
+    assert sha(the_spool.failed / "x.json.reason.json") == digest  # still the submission
+    moved = f"x.{second_digest[:12]}.json"
+    assert sha(the_spool.failed / moved) == second_digest
+    reason = json.loads((the_spool.failed / f"{moved}.reason.json").read_text())
+    assert reason["file"] == "x.json"
+
+
+def test_the_same_bad_bytes_again_under_a_taken_name_keep_every_copy(
+    db: None, the_spool: Spool, drop: Drop
+) -> None:
+    for _ in range(3):  # x.json, then x.<hash>.json, then x.<hash>.2.json
+        drop("x.json", b"the same bad bytes")
+        drain(the_spool, stuck_after=5)
+    digest = hashlib.sha256(b"the same bad bytes").hexdigest()[:12]
+    assert failed(the_spool) == sorted(
+        f"{name}{suffix}"
+        for name in ("x.json", f"x.{digest}.json", f"x.{digest}.2.json")
+        for suffix in ("", ".reason.json")
+    )
+    issues = list(ReconciliationIssue.objects.order_by("pk"))
+    assert len(issues) == 3
+    assert issues[2].details["previous_issues"] == [issues[0].pk, issues[1].pk]
+
+
+@pytest.mark.parametrize("length", [243, 250, 255])
+def test_a_bad_file_with_a_long_name_is_quarantined_under_a_shorter_one(
+    db: None, the_spool: Spool, drop: Drop, length: int
+) -> None:
+    """Linux takes names of up to 255 bytes: ``<name>.reason.json`` beside a 250-byte
+    name would not fit, and the file used to stay in incoming/ for ever."""
+    name = "b" * (length - len(".json")) + ".json"
+    drop(name, b"not json")
+    drop("good.json", submission())
+    progress = drain(the_spool, stuck_after=5)
+    assert (progress.applied, progress.quarantined) == (1, 1)
+    assert incoming(the_spool) == []
+    (moved,) = [n for n in failed(the_spool) if not n.endswith(".reason.json")]
+    assert len(moved.encode()) + len(".reason.json") <= 255
+    reason = json.loads((the_spool.failed / f"{moved}.reason.json").read_text())
+    assert reason["file"] == name
+    assert ReconciliationIssue.objects.get().subject == name
+
+
+def test_a_file_that_cannot_be_moved_waits_with_its_reason_then_moves(
+    db: None, the_spool: Spool, drop: Drop, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """failed/ refusing the move (not writable, a full disk): the file stays, is tried
+    again after a growing delay (not re-read at once, again and again), the stuck reason
+    names the error, one issue is kept for it, and it moves once failed/ takes it."""
+    drop("bad.json", b"not json")
+    real = blobs.write_durably
+    calls = 0
+
+    def refuse(target: Path, data: bytes) -> None:
+        nonlocal calls
+        calls += 1
+        raise PermissionError(13, "Permission denied", str(target))
+
+    monkeypatch.setattr(blobs, "write_durably", refuse)
+    with pytest.raises(Stuck) as stuck:
+        drain(the_spool, stuck_after=1.5)
+    assert "bad.json: cannot move it to failed/" in str(stuck.value)
+    assert "Permission denied" in str(stuck.value)
+    assert calls <= 6, calls  # backed off: 0.2 s, 0.4 s, ... (it was about 10 a second)
+    assert incoming(the_spool) == ["bad.json"]
+    monkeypatch.setattr(blobs, "write_durably", real)
+    drain(the_spool, stuck_after=5)
+    assert failed(the_spool) == ["bad.json", "bad.json.reason.json"]
+    assert ReconciliationIssue.objects.count() == 1  # the same file: its issue reused
 
 
 # --- database errors: nothing moves, nothing acked, nothing deleted --------------------

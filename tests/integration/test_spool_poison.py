@@ -216,6 +216,28 @@ def test_quarantining_the_same_bytes_again_opens_a_new_issue_and_logs_it(
     assert [(e["file"], e["previous_issues"]) for e in events] == [("bad.json", [first.pk])]
 
 
+def test_bytes_put_back_while_their_issue_is_open_are_a_new_quarantine(
+    db: None, the_spool: Spool, drop: Drop
+) -> None:
+    """The documented recovery (move the file back unchanged, remove the reason) before
+    anyone resolved the issue: a new issue and the event, not the old issue reused as if
+    the first move were being retried."""
+    drop("bad.json", b"{not json")
+    drain(the_spool, stuck_after=10)
+    first = ReconciliationIssue.objects.get()
+    (the_spool.failed / "bad.json.reason.json").unlink()
+    (the_spool.failed / "bad.json").rename(the_spool.incoming / "bad.json")
+    with capture_logs() as logs:
+        drain(the_spool, stuck_after=10)
+    again = ReconciliationIssue.objects.exclude(pk=first.pk).get()
+    assert again.details["previous_issues"] == [first.pk]
+    assert [e["previous_issues"] for e in logs if e["event"] == "submission_quarantined_again"] == [
+        [first.pk]
+    ]
+    reason = json.loads((the_spool.failed / "bad.json.reason.json").read_text())
+    assert reason["issue_id"] == again.pk
+
+
 # --- database refusals: split the batch --------------------------------------------------
 
 
@@ -229,7 +251,7 @@ def refused_by_the_database() -> bytes:
     return raw_submission('{"a": ' + deep(2504) + "}")
 
 
-RELAXED = Limits(max_depth=100_000, max_number_chars=100_000)
+RELAXED = Limits(max_depth=100_000, max_number_chars=100_000, max_decimals=10**9)
 
 
 def test_a_batch_with_one_file_the_database_refuses_applies_the_rest(

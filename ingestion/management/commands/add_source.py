@@ -4,7 +4,7 @@ from django.core.management.base import CommandParser
 
 from ingestion.models import SourceKind
 from ingestion.sources import add_source, source_dict
-from jobs.management.base import JobsCommand
+from jobs.management.base import JobsCommand, decimal_number, whole_number
 
 
 class Command(JobsCommand):
@@ -20,13 +20,13 @@ class Command(JobsCommand):
         )
         parser.add_argument(
             "--spacing",
-            type=float,
+            type=decimal_number,
             default=1.0,
             help="seconds between requests, 0 to 3600, across all workers (default 1)",
         )
         parser.add_argument(
             "--max-pages-per-run",
-            type=int,
+            type=whole_number,
             default=10,
             help="listing pages one discovery job reads (default 10)",
         )

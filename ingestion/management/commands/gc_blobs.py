@@ -5,7 +5,7 @@ from django.core.management.base import CommandParser
 
 from ingestion import blob_references, blobs
 from jobs.exceptions import InvalidJob
-from jobs.management.base import JobsCommand
+from jobs.management.base import JobsCommand, decimal_number
 
 
 class Command(JobsCommand):
@@ -19,7 +19,7 @@ class Command(JobsCommand):
         parser.add_argument("--dry-run", action="store_true", help="count, delete nothing")
         parser.add_argument(
             "--min-age-hours",
-            type=float,
+            type=decimal_number,
             default=blobs.DEFAULT_MIN_AGE.total_seconds() / 3600,
             help="keep unreferenced blobs younger than this: they may belong to a row not"
             " committed yet (default 24)",

@@ -6,7 +6,7 @@ from django.core.management.base import CommandParser
 
 from ingestion import ingester
 from ingestion.spool import Overdue, Spool, Stuck, grace_seconds
-from jobs.management.base import JobsCommand, bad_input, failed
+from jobs.management.base import JobsCommand, bad_input, decimal_number, failed, whole_number
 
 MAX_WORKERS = 64  # reader processes; more only compete for the same cores
 
@@ -22,21 +22,21 @@ class Command(JobsCommand):
         parser.add_argument("--spool", help="spool root (default: HOLDFAST_SPOOL_DIR)")
         parser.add_argument(
             "--workers",
-            type=int,
+            type=whole_number,
             default=2,
             help="reader processes feeding the one writer process (default 2)",
         )
         parser.add_argument("--once", action="store_true", help="exit 0 once incoming/ is empty")
         parser.add_argument(
             "--stuck-after",
-            type=float,
+            type=decimal_number,
             default=60.0,
             help="exit 1 when work is pending and nothing was applied or quarantined for "
             "this many seconds (default 60)",
         )
         parser.add_argument(
             "--grace",
-            type=float,
+            type=decimal_number,
             default=None,
             help="exit 1, leaving the file in place, when a file has waited in incoming/ "
             "longer than this many seconds (default HOLDFAST_SPOOL_GRACE_SECONDS, 3600; "
@@ -49,8 +49,8 @@ class Command(JobsCommand):
         if not 0 < options["stuck_after"] < math.inf:  # also refuses NaN
             raise bad_input("--stuck-after must be a positive number of seconds")
         grace = grace_seconds() if options["grace"] is None else options["grace"]
-        if grace < 0:
-            raise bad_input("--grace must be 0 (off) or positive")
+        if not 0 <= grace < math.inf:  # also refuses NaN
+            raise bad_input("--grace must be 0 (off) or a positive number of seconds")
         if options["spool"] is not None and not os.path.isdir(options["spool"]):
             what = "is not a directory" if os.path.exists(options["spool"]) else "does not exist"
             raise bad_input(f"--spool {options['spool']!r} {what}")

@@ -3,10 +3,12 @@ from typing import Any
 
 from django.core.management.base import CommandParser
 
+from ingestion.models import ReconciliationIssue
 from ingestion.reconciliation import issue_dict, resolve
 from jobs.management.base import JobsCommand, bad_input, row_id
 
 MAX_COMMENT = 10_000  # as the API's resolve/ accepts
+MAX_BY = ReconciliationIssue._meta.get_field("resolved_by").max_length or 200
 
 
 def operator() -> str:
@@ -34,7 +36,10 @@ class Command(JobsCommand):
             raise bad_input("--comment must not be blank")
         if len(comment) > MAX_COMMENT or "\x00" in comment:
             raise bad_input(f"--comment must be at most {MAX_COMMENT} characters, without NUL")
-        issue = resolve(options["issue_id"], by=options["by"] or operator(), comment=comment)
+        by = options["by"] or operator()
+        if len(by) > MAX_BY:
+            raise bad_input(f"--by must be at most {MAX_BY} characters")
+        issue = resolve(options["issue_id"], by=by, comment=comment)
         if options["as_json"]:
             self.emit_json(issue_dict(issue))
             return

@@ -2,10 +2,10 @@ import json
 from typing import Any
 
 from django.core.management.base import CommandParser
-from django.utils.dateparse import parse_datetime
 
+from jobs import timestamps
 from jobs.enqueueing import enqueue
-from jobs.management.base import JobsCommand, bad_input
+from jobs.management.base import JobsCommand, bad_input, decimal_number, whole_number
 from jobs.serialization import job_dict
 
 
@@ -18,12 +18,12 @@ class Command(JobsCommand):
         # Django pops an option named "args" from a command's options: use another dest.
         parser.add_argument("--args", dest="job_args", default="{}", help="JSON object")
         parser.add_argument("--lane")
-        parser.add_argument("--priority", type=int, default=0)
+        parser.add_argument("--priority", type=whole_number, default=0)
         when = parser.add_mutually_exclusive_group()
-        when.add_argument("--delay", type=float, help="seconds from now")
+        when.add_argument("--delay", type=decimal_number, help="seconds from now")
         when.add_argument("--run-at", help="ISO 8601 time with offset")
         parser.add_argument("--unique-key")
-        parser.add_argument("--max-attempts", type=int)
+        parser.add_argument("--max-attempts", type=whole_number)
 
     def handle(self, *args: Any, **options: Any) -> None:
         try:
@@ -32,11 +32,15 @@ class Command(JobsCommand):
             raise bad_input(f"--args is not valid JSON: {exc}") from None
         except RecursionError:
             raise bad_input("--args is nested too deeply to be a job's arguments") from None
+        if not isinstance(job_args, dict):  # null too: not "no arguments", but not an object
+            kind = "null" if job_args is None else type(job_args).__name__
+            raise bad_input(f"--args must be a JSON object, got {kind}")
         run_at = None
-        if options["run_at"]:
-            run_at = parse_datetime(options["run_at"])
-            if run_at is None:
-                raise bad_input(f"--run-at is not an ISO 8601 time: {options['run_at']!r}")
+        if options["run_at"] is not None:  # given, even empty: read it
+            try:
+                run_at = timestamps.parse(options["run_at"])
+            except timestamps.InvalidTime as exc:
+                raise bad_input(f"--run-at: {exc}") from None
         job = enqueue(
             options["kind"],
             job_args,

@@ -26,6 +26,8 @@ class Command(JobsCommand):
         if options["kind"]:
             jobs = jobs.filter(operations.kind_filter(options["kind"]))
         rows = [job_dict(job) for job in jobs[: options["limit"]]]
+        if not rows:  # none: a kind or lane nothing knows is a typo, not "no jobs"
+            operations.check_filters(options["kind"], options["lane"])
         if options["as_json"]:
             self.emit_json({"count": len(rows), "jobs": rows})
             return

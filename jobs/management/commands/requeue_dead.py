@@ -33,6 +33,8 @@ class Command(JobsCommand):
             if missing:
                 raise bad_input(f"no job with id {', '.join(missing)}")
         selected = list(operations.dead_jobs(ids, kind=kind, lane=lane))
+        if not selected:  # none: a kind or lane nothing knows is a typo, not "no jobs"
+            operations.check_filters(kind, lane)
         if ids:  # named jobs that are not dead are conflicts, reported with the rest
             chosen = {job.pk for job in selected}
             others = Job.objects.filter(pk__in=[i for i in ids if i not in chosen])

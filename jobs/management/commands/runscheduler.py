@@ -6,7 +6,7 @@ from typing import Any
 from django.core.management.base import CommandParser
 
 from jobs import scheduler
-from jobs.log import get_logger
+from jobs.log import get_logger, json_logs
 from jobs.management.base import JobsCommand
 
 log = get_logger("jobs.scheduler")
@@ -16,9 +16,12 @@ class Command(JobsCommand):
     help = "Enqueue due recurring jobs and refreshes, and reclaim expired leases."
 
     def add_arguments(self, parser: CommandParser) -> None:
+        super().add_arguments(parser)  # --json: its output is its log, as JSON lines
         parser.add_argument("--once", action="store_true", help="one pass, then exit 0")
 
     def handle(self, *args: Any, **options: Any) -> None:
+        if options["as_json"]:
+            json_logs()
         if options["once"]:
             scheduler.sync()
             scheduler.SchedulerLoop().run_once()

@@ -3,14 +3,19 @@ from typing import Any
 from django.core.management.base import CommandParser
 
 from jobs import lanes as lane_config
+from jobs.log import json_logs
 from jobs.management.base import JobsCommand, bad_input
+from jobs.models import Worker
 from jobs.worker import WorkerProcess
+
+MAX_WORKER_ID = Worker._meta.get_field("id").max_length or 200
 
 
 class Command(JobsCommand):
     help = "Run one worker process: claim jobs one at a time, run them, settle them."
 
     def add_arguments(self, parser: CommandParser) -> None:
+        super().add_arguments(parser)  # --json: its output is its log, as JSON lines
         parser.add_argument("--lanes", help="comma-separated lanes to serve (default: all)")
         parser.add_argument(
             "--burst", action="store_true", help="exit 0 once no runnable job remains"
@@ -34,8 +39,12 @@ class Command(JobsCommand):
                     f"declared: {', '.join(sorted(declared))}"
                 )
         worker_id = options["worker_id"]
-        if worker_id is not None and not worker_id.strip():
-            raise bad_input("--worker-id must not be empty")
+        if worker_id is not None and (
+            len(worker_id) > MAX_WORKER_ID or not worker_id.isprintable()
+        ):
+            raise bad_input(f"--worker-id must be at most {MAX_WORKER_ID} printable characters")
+        if options["as_json"]:
+            json_logs()
         WorkerProcess(
             worker_id=worker_id,
             lanes=lanes,

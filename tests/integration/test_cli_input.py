@@ -1,0 +1,185 @@
+"""Bad input on the command line is exit 2 with one line saying why (DESIGN §8), the same
+on both databases, and nothing is done: from an external audit of every command."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from datetime import timedelta
+
+import pytest
+from django.utils import timezone
+
+from jobs import engine, enqueueing
+from jobs.models import Job, Schedule, State
+from ops.models import OpsToken
+from tests.conftest import REPO
+
+from .helpers import claim_one, exit_code, failure, run, run_json
+
+pytestmark = pytest.mark.django_db
+
+
+def refused(*args: str) -> str:
+    """Run a command that must refuse its input: exit 2; the one-line reason."""
+    from django.core.management.base import CommandError
+
+    with pytest.raises(CommandError) as raised:
+        run(*args)
+    assert raised.value.returncode == 2, raised.value
+    reason = str(raised.value)
+    assert reason and "\n" not in reason
+    return reason
+
+
+@pytest.mark.parametrize(
+    ("args", "reason"),
+    [
+        (["enqueue", "test.echo", "--args", "null"], "must be a JSON object, got null"),
+        (["enqueue", "test.echo", "--run-at", ""], "--run-at must not be empty"),
+        (["enqueue", "test.echo", "--run-at", "2030-01-01T00:00:00"], "no UTC offset"),
+        (["enqueue", "test.echo", "--run-at", "2030-01-01T00:00:00+25:00"], "not an ISO 8601"),
+        (["enqueue", "test.echo", "--lane", ""], "--lane must not be empty"),
+        (["enqueue", "test.echo", "--unique-key", " \t"], "--unique-key must not be empty"),
+        (["enqueue", "test.echo", "--priority", "\u0665"], "not a whole number"),
+        (["enqueue", "test.echo", "--priority", " 5"], "not a whole number"),
+        (["enqueue", "test.echo", "--delay", "nan"], "not a number"),
+        (["enqueue", "test.echo", "--lane", "x\udcff"], "--lane is not valid UTF-8"),
+        (["show_job", "\u0663"], "not an id"),
+        (["prune_jobs", "--older-than", "\u0661\u0664d"], "not a duration"),
+        (["prune_jobs", "--older-than", " 14d"], "not a duration"),
+        (["create_ops_token", "t", "--scope", "read", "--expires-in", ""], "must not be empty"),
+        (["create_ops_token", "t", "--scope", "read", "--expires-in", "3000000d"], "100 years"),
+        (["runworker", "--burst", "--lanes", ""], "--lanes must not be empty"),
+        (["runworker", "--burst", "--worker-id", "w" * 201], "at most 200"),
+        (["runworker", "--burst", "--worker-id", "w\udcff"], "not valid UTF-8"),
+        (["runworker", "--burst", "--worker-id", "w\x1b[2J"], "printable"),
+        (["ingest_submissions", "--once", "--grace", "nan"], "not a number"),
+        (["list_jobs", "--kind", "no.such"], "unknown kind 'no.such'"),
+        (["list_jobs", "--lane", "nolane"], "unknown lane 'nolane'"),
+        (["requeue_dead", "--kind", "no.such"], "unknown kind 'no.such'"),
+        (["requeue_dead", "--lane", "nolane"], "unknown lane 'nolane'"),
+    ],
+)
+def test_bad_input_is_exit_2_with_a_reason_and_nothing_done(args, reason):
+    assert reason in refused(*args)
+    assert not Job.objects.exists()
+    assert not OpsToken.objects.exists()
+
+
+def test_a_lower_case_rfc_3339_time_is_read():
+    job = run_json("enqueue", "test.echo", "--run-at", "2030-01-01t10:00:00z")
+    assert job["run_at"].startswith("2030-01-01T10:00:00")
+
+
+def test_a_reason_too_long_for_the_column_is_bad_input_on_both_databases():
+    from ingestion import reconciliation
+
+    issue = reconciliation.record("quarantined_submission", "a.json", details={})
+    assert "--by must be at most 200" in refused(
+        "resolve_reconciliation_issue", str(issue.pk), "--comment", "x", "--by", "b" * 201
+    )
+    issue.refresh_from_db()
+    assert issue.status == "open"
+
+
+def test_filters_that_name_a_known_kind_or_lane_with_no_jobs_are_an_empty_answer():
+    assert run_json("list_jobs", "--kind", "test.echo") == {"count": 0, "jobs": []}
+    assert run_json("list_jobs", "--lane", "default") == {"count": 0, "jobs": []}
+    # A kind no handler has any more (retired), but whose jobs are still there: known.
+    retired = Job.objects.create(kind="retired.kind", lane="gone-lane", state=State.DEAD)
+    assert run_json("list_jobs", "--kind", "retired.kind")["count"] == 1
+    assert run_json("requeue_dead", "--lane", "gone-lane", "--dry-run")["requeued"] == [retired.pk]
+
+
+def test_requeueing_a_running_job_says_it_is_running_not_that_it_holds_its_own_key():
+    job = enqueueing.enqueue("test.echo", unique_key="report:7")
+    claim_one()
+    with pytest.raises(Exception) as raised:
+        run("requeue_dead", str(job.pk))
+    assert f"job {job.pk} is running, not dead" in str(raised.value)
+    assert "held by" not in str(raised.value)
+
+
+def test_run_schedule_now_refuses_a_schedule_no_longer_declared():
+    Schedule.objects.create(
+        name="discover:gone",
+        kind="test.echo",
+        every=60,
+        declared=False,
+        next_due_at=timezone.now() + timedelta(minutes=1),
+    )
+    assert exit_code("run_schedule_now", "discover:gone") == 1
+    assert not Job.objects.exists()
+
+
+def test_a_dead_job_still_requeues_by_kind():
+    job = enqueueing.enqueue("test.permanent")
+    engine.fail(claim_one(), failure(permanent=True), backoff_seconds=0)
+    assert run_json("requeue_dead", "--kind", "test.permanent")["requeued"] == [job.pk]
+
+
+# --- through the real command line -------------------------------------------------------
+
+
+def manage(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "manage.py", *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["show_job", "0"],
+        ["cancel_job", "abc"],
+        ["list_jobs", "--state", "nope"],
+        ["enqueue", "test.echo", "--delay", "5", "--run-at", "2030-01-01T00:00:00Z"],
+        ["create_ops_token", "x", "--scope", "admin"],
+    ],
+)
+def test_a_usage_error_is_one_line_on_stderr(worker_env, args):
+    done = manage(*args, env=worker_env)
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, done.stderr
+    assert lines[0].startswith(f"manage.py {args[0]}: error: ")
+    assert lines[0].endswith("(see --help)")
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("command", [["runworker", "--burst"], ["runscheduler", "--once"]])
+def test_json_makes_the_log_of_a_long_running_command_json_lines(worker_env, command):
+    done = manage(
+        *command, "--json", env={**worker_env, "LOG_FORMAT": "console", "LOG_LEVEL": "INFO"}
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert lines, done.stderr
+    for line in lines:
+        assert isinstance(json.loads(line), dict), line
+
+
+@pytest.mark.django_db(transaction=True)
+def test_an_invalid_worker_id_is_refused_before_anything_is_logged(worker_env):
+    env = {**worker_env, "LOG_FORMAT": "console"}
+    done = subprocess.run(
+        [sys.executable, "manage.py", "runworker", "--burst", "--worker-id", os.fsdecode(b"w\xff")],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        "CommandError: --worker-id is not valid UTF-8 text"
+    ], done.stderr
