@@ -319,6 +319,7 @@ LOGGING = {
 REST_FRAMEWORK = {
     "DEFAULT_RENDERER_CLASSES": ["rest_framework.renderers.JSONRenderer"],
     "DEFAULT_PARSER_CLASSES": ["ops.parsers.JSONParser"],
+    "DEFAULT_CONTENT_NEGOTIATION_CLASS": "ops.negotiation.ContentNegotiation",
     "DEFAULT_AUTHENTICATION_CLASSES": ["ops.authentication.BearerTokenAuthentication"],
     "DEFAULT_PERMISSION_CLASSES": ["ops.authentication.TokenScope"],
     "UNAUTHENTICATED_USER": None,

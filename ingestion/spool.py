@@ -437,9 +437,17 @@ def _read(name: str, limits: Limits, directory: int, settle: float) -> Entry | N
             ) from None
         return Entry.rejected(name, digest, identity, invalid, len(raw))
     if submission.excerpt is not None:
-        submission.excerpt_hash = blobs.store(submission.excerpt)
+        try:
+            submission.excerpt_hash = blobs.store(submission.excerpt)
+        except OSError as exc:  # the blob store's fault, not the file's: say so
+            raise BlobStoreError(f"cannot store the log excerpt of {name}: {exc}") from exc
         submission.excerpt = None  # stored: no need to carry it to the writer
     return Entry(name, digest, identity, submission=submission, size=len(raw))
+
+
+class BlobStoreError(OSError):
+    """Storing a submission's log excerpt failed (a full disk, HOLDFAST_BLOB_DIR not
+    writable): the store's fault, retried like any transient error."""
 
 
 # --- database refusals: whose fault? --------------------------------------------------
@@ -1313,6 +1321,9 @@ def read_outcome(
         entry = read_entry(spool, name, limits, dir_fd=dir_fd, settle=settle)
     except NotYet as wait:
         return None, RETRY, str(wait), wait.delay
+    except BlobStoreError as exc:
+        log.warning("blob_store_failed", file=name, error=str(exc.__cause__))
+        return None, RETRY, f"{exc} (HOLDFAST_BLOB_DIR)", READ_RETRY_SECONDS
     except OSError as exc:
         log.warning("submission_unreadable", file=name, error=str(exc))
         return None, RETRY, f"cannot read {name}: {exc}", READ_RETRY_SECONDS

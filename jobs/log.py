@@ -94,13 +94,20 @@ def configure(force: bool = False) -> None:
         return
     level = logging.getLevelNamesMapping().get(settings.LOG_LEVEL, logging.INFO)
     renderer = _renderer()
+    # JSON lines carry a traceback as text (format_exc_info); the console renderer draws
+    # it itself and warns on every exception when format_exc_info ran before it.
+    tracebacks = (
+        []
+        if isinstance(renderer, structlog.dev.ConsoleRenderer)
+        else [structlog.processors.format_exc_info]
+    )
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso", utc=True),
             structlog.processors.StackInfoRenderer(),
-            structlog.processors.format_exc_info,
+            *tracebacks,
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(level),

@@ -21,7 +21,6 @@ from django.core.exceptions import (
 )
 from django.db import InterfaceError, OperationalError
 from django.http import Http404, HttpRequest, JsonResponse, UnreadablePostError
-from django.urls import Resolver404, resolve
 from rest_framework import exceptions, status
 from rest_framework.response import Response
 from rest_framework.views import set_rollback
@@ -30,6 +29,7 @@ from jobs.exceptions import HoldfastError, InvalidJob, StateConflict
 from jobs.log import get_logger
 
 from .authentication import client_address
+from .messages import not_found_message, one_line
 
 log = get_logger("ops.api")
 
@@ -80,12 +80,6 @@ def messages_of(detail: Any) -> list[str]:
     if isinstance(detail, list):
         return [message for value in detail for message in messages_of(value)]
     return [str(detail)]
-
-
-def one_line(text: str, limit: int = 1000) -> str:
-    """``text`` on one line (messages may quote the caller's input), at most ``limit`` long."""
-    text = " ".join(text.split())
-    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 def summary(fields: dict[str, list[str]]) -> str:
@@ -179,19 +173,6 @@ def exception_handler(exc: Exception, context: dict[str, Any]) -> Response | Non
 
 
 # --- Django's handlers, for URLs that reach no API view ---------------------------------
-
-
-def not_found_message(path: str) -> str:
-    """The 404's one line, pointing at the path with its trailing slash if that exists."""
-    message = f"no such endpoint: {path}"
-    if not path.endswith("/"):
-        try:
-            resolve(path + "/")
-        except Resolver404:
-            pass
-        else:
-            message += f" (every path ends with a slash: {path}/)"
-    return one_line(message)
 
 
 def bad_request(request: HttpRequest, exception: Exception | None = None) -> JsonResponse:

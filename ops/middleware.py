@@ -15,7 +15,7 @@ from http import HTTPStatus
 from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.middleware.common import CommonMiddleware
 
-from .exceptions import not_found_message
+from .messages import not_found_message
 
 JSON_TYPES = ("application/json", "application/problem+json")
 CODES = {400: "bad_request", 403: "permission_denied", 404: "not_found", 500: "server_error"}

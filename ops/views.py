@@ -38,7 +38,8 @@ from jobs.status import queue_status
 
 from . import metrics, schema
 from .authentication import BearerTokenAuthentication
-from .exceptions import DATABASE_DOWN, one_line
+from .exceptions import DATABASE_DOWN
+from .messages import one_line
 from .serializers import (
     PAGE_SIZE_DEFAULT,
     DeadJobsQuery,

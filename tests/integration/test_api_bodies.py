@@ -321,3 +321,22 @@ def test_the_schema_generates_without_a_warning():
         timeout=120,
     )
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+@pytest.mark.parametrize(
+    ("accept", "status"),
+    [
+        ("application/json;q=0, text/html", 406),
+        ("application/json; q=0.000", 406),
+        ("application/json;q=0.5, text/html", 200),
+        ("*/*;q=0", 406),
+        ("*/*", 200),
+    ],
+)
+def test_an_accept_weight_of_zero_excludes_json(client, accept, status):
+    token = tokens.create("reader", "read")[1]
+    response = client.get(
+        API + "queue/", headers={"Authorization": f"Bearer {token}", "Accept": accept}
+    )
+    assert response.status_code == status, response.content
+    assert response["Content-Type"] == "application/json"

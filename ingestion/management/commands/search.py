@@ -29,7 +29,8 @@ class Command(JobsCommand):
             self.emit_json({"count": len(hits), "hits": hits})
             return
         for hit in hits:
-            self.stdout.write(f"{hit['rank']:>10.4f}  {hit['title'] or '(untitled)'}")
+            # .4g: SQLite's bm25 ranks are tiny (1e-06), which .4f printed as 0.0000.
+            self.stdout.write(f"{hit['rank']:>10.4g}  {hit['title'] or '(untitled)'}")
             self.stdout.write(
                 f"            {hit['url']}  ({hit['source']}, artifact {hit['artifact_id']})"
             )
