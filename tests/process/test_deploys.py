@@ -18,7 +18,7 @@ from tests.support.workers import WorkerPool, wait_until
 
 pytestmark = [pytest.mark.process, pytest.mark.postgres, pytest.mark.timeout(120)]
 
-JOBS = 90
+JOBS = 150  # room for both migrations to meet a busy fleet, on a slow machine too
 
 
 @pytest.fixture
@@ -61,7 +61,7 @@ def test_alter_table_under_three_busy_workers_charges_no_attempt(
         assert succeeded() < JOBS - 10, "the queue drained before the migration: add jobs"
         with connection.cursor() as cursor:
             cursor.execute(statement)
-        threshold = succeeded() + 15
+        threshold = succeeded() + 5  # progress after it: the statements were re-planned
 
     wait_until(lambda: succeeded() == JOBS, 60, interval=0.1, message=describe)
     # The workers did meet the invalidated statements, and re-prepared.

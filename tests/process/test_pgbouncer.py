@@ -106,7 +106,8 @@ for path in ("queue/", "dead-jobs/", f"jobs/{dead.pk}/", "health/"):
     response = client.get(f"/internal/v1/{path}", **auth)
     assert response.status_code == 200, (path, response.content)
 Job.objects.filter(pk=dead.pk).update(state="dead")
-response = client.post(f"/internal/v1/jobs/{dead.pk}/requeue/", **auth)
+json_body = {"content_type": "application/json"}  # no body; the test client's default is a form
+response = client.post(f"/internal/v1/jobs/{dead.pk}/requeue/", **json_body, **auth)
 assert response.status_code == 200, response.content
 run("list_ops_tokens")
 run("revoke_ops_token", "probe")
