@@ -684,13 +684,14 @@ def reason_of(entry: Entry, issue_id: int | None) -> dict[str, Any]:
 REASON_SUFFIX = ".reason.json"
 
 
-def quarantine_target(failed: Path, entry: Entry) -> Path:
+def quarantine_target(failed: Path, entry: Entry, issue_id: int | None) -> Path:
     """Where in ``failed/`` a rejected file goes: under its own name unless that name, or
     its reason's, is taken (an earlier file of the same name, or a submission that was
     itself named ``<name>.json.reason.json``: never written over), or the reason's name
     would pass the file system's limit on a name (a 250-byte name is a valid one); then
     ``<stem>.<hash or time>[.<n>].json``, the stem shortened as needed. The reason file
-    keeps the original name."""
+    keeps the original name. A reason left by this same quarantine (written, then a crash
+    before the move) does not count as taken: it is written again, not orphaned."""
     limit = name_limit(failed)
     stem = entry.name.removesuffix(".json")
     tag = entry.hash[:12] if entry.hash else f"{time.time_ns():x}"
@@ -704,9 +705,35 @@ def quarantine_target(failed: Path, entry: Entry) -> Path:
         if len(os.fsencode(name + REASON_SUFFIX)) > limit:
             continue
         target = failed / name
-        if not (os.path.lexists(target) or os.path.lexists(str(target) + REASON_SUFFIX)):
+        reason = Path(str(target) + REASON_SUFFIX)
+        if not os.path.lexists(target) and (
+            not os.path.lexists(reason) or own_reason(reason, entry, issue_id)
+        ):
             return target
     raise AssertionError("unreachable")  # itertools.count() never ends
+
+
+def own_reason(path: Path, entry: Entry, issue_id: int | None) -> bool:
+    """Is ``path`` the reason this quarantine wrote before (same file, same issue)?"""
+    try:
+        # Never blocks, never follows: a submission moved here may be a FIFO or a link.
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
+    except OSError:
+        return False
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return False
+        found = json.loads(os.read(fd, 64 * 1024))  # a reason is small; a submission not
+    except (OSError, ValueError):
+        return False
+    finally:
+        os.close(fd)
+    return (
+        isinstance(found, dict)
+        and found.get("file") == printable(entry.name)
+        and found.get("issue_id") == issue_id
+        and found.get("hash") == (entry.hash or None)
+    )
 
 
 def name_limit(directory: Path) -> int:
@@ -736,7 +763,7 @@ def quarantine(
     try:
         if not same_file(directory, entry):
             return None
-        target = quarantine_target(spool.failed, entry)
+        target = quarantine_target(spool.failed, entry, issue_id)
         reason_path = target.with_name(target.name + REASON_SUFFIX)
         reason = json.dumps(reason_of(entry, issue_id), indent=2) + "\n"
         blobs.write_durably(reason_path, reason.encode())

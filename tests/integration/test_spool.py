@@ -759,3 +759,40 @@ def test_the_ingest_spool_job_drains_the_spool(
     assert job.result["applied"] == 1
     assert job.result["quarantined"] == 1
     assert incoming(the_spool) == []
+
+
+def test_a_reason_left_by_a_crash_before_the_move_is_rewritten_not_orphaned(
+    db: None, the_spool: Spool, drop: Drop, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The reason is written first, then the file moved: a crash between them leaves the
+    reason alone in failed/. The retried quarantine puts the file beside it, under its own
+    name, instead of taking that reason for someone else's and moving aside."""
+    drop("bad.json", b"not json")
+    real_rename = os.rename
+
+    def crash(*args: Any, **kwargs: Any) -> None:
+        raise SystemExit("crash between the reason and the move")
+
+    monkeypatch.setattr(os, "rename", crash)
+    with pytest.raises(SystemExit):
+        drain(the_spool, stuck_after=5)
+    assert failed(the_spool) == ["bad.json.reason.json"]
+    monkeypatch.setattr(os, "rename", real_rename)
+    drain(the_spool, stuck_after=5)
+    assert failed(the_spool) == ["bad.json", "bad.json.reason.json"]
+    assert ReconciliationIssue.objects.count() == 1
+
+
+def test_a_fifo_where_a_reason_would_go_is_never_opened_for_reading(
+    db: None, the_spool: Spool, drop: Drop
+) -> None:
+    os.mkfifo(the_spool.failed / "x.json.reason.json")  # a FIFO submission, quarantined
+    drop("x.json", b"not json")
+    drain(the_spool, stuck_after=5)  # would hang on opening the FIFO
+    assert "x.json.reason.json" in failed(the_spool)
+    assert any(
+        name.startswith("x.")
+        and name.endswith(".json.reason.json")
+        and name != "x.json.reason.json"
+        for name in failed(the_spool)
+    )
