@@ -793,6 +793,9 @@ class _Split:
     suspects: list[tuple[Entry, DatabaseError]] = field(default_factory=list)
 
 
+MAX_FINISH_FAILURES = 10_000  # names whose delete or move failed, remembered for backoff
+
+
 class Writer:
     """Buffers entries and flushes them in batches, by size (files, facts, bytes) and by time.
 
@@ -1060,9 +1063,10 @@ class Writer:
                 # try, after a growing delay, and the stuck rule names why it waits (a name
                 # the file system refuses, failed/ not writable) instead of re-reading it
                 # at once, again and again.
-                failures = self.finish_failures[entry.name] = (
-                    self.finish_failures.get(entry.name, 0) + 1
-                )
+                failures = self.finish_failures.pop(entry.name, 0) + 1
+                self.finish_failures[entry.name] = failures  # now the newest entry
+                if len(self.finish_failures) > MAX_FINISH_FAILURES:  # names gone since
+                    del self.finish_failures[next(iter(self.finish_failures))]
                 verb = "move it to failed/" if entry.name in result.issues else "delete it"
                 detail = f"{printable(entry.name)}: cannot {verb}: {exc}"
                 log.error("spool_finish_failed", file=entry.name, error=str(exc), tries=failures)

@@ -24,8 +24,8 @@ from structlog.typing import EventDict
 _configured = False
 
 
-def _renderer() -> Any:
-    fmt = settings.LOG_FORMAT or ("console" if sys.stderr.isatty() else "json")
+def _renderer(fmt: str | None = None) -> Any:
+    fmt = fmt or settings.LOG_FORMAT or ("console" if sys.stderr.isatty() else "json")
     if fmt == "json":
         return JSONLines()
     return structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())
@@ -88,12 +88,13 @@ class StdlibFormatter(structlog.stdlib.ProcessorFormatter):
         )
 
 
-def configure(force: bool = False) -> None:
+def configure(force: bool = False, fmt: str | None = None) -> None:
+    """Set up structlog from the settings; ``fmt`` overrides ``LOG_FORMAT``."""
     global _configured
     if _configured and not force:
         return
     level = logging.getLevelNamesMapping().get(settings.LOG_LEVEL, logging.INFO)
-    renderer = _renderer()
+    renderer = _renderer(fmt)
     # JSON lines carry a traceback as text (format_exc_info); the console renderer draws
     # it itself and warns on every exception when format_exc_info ran before it.
     tracebacks = (
@@ -125,8 +126,7 @@ def configure(force: bool = False) -> None:
 def json_logs() -> None:
     """Log JSON lines from now on, whatever ``LOG_FORMAT`` says: ``--json`` of a command
     whose output is its log (``runworker``, ``runscheduler``)."""
-    settings.LOG_FORMAT = "json"
-    configure(force=True)
+    configure(force=True, fmt="json")
 
 
 def get_logger(name: str) -> Any:

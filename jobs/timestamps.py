@@ -14,7 +14,6 @@ from datetime import UTC, datetime
 # anything else (a NUL, a newline) is refused before parsing.
 _TEXT = re.compile(r"[0-9A-Za-z:.,+\- ]{1,64}", re.ASCII)
 _LEAP_SECOND = re.compile(r"(T\d{2}:\d{2}):60", re.ASCII)
-EXAMPLE = "2026-11-30T10:00:00Z or +02:00"
 
 
 class InvalidTime(ValueError):

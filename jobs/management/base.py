@@ -98,11 +98,12 @@ class JobsCommand(BaseCommand):
     def check_text(self, options: dict[str, Any]) -> None:
         names = getattr(self, "names", {})
         for dest, value in options.items():
-            values = value if isinstance(value, list) else [value]
-            for text in values:
-                if dest in DJANGO_OPTIONS or not isinstance(text, str):
+            if dest in DJANGO_OPTIONS:
+                continue
+            name = names.get(dest, dest)
+            for text in value if isinstance(value, list) else [value]:
+                if not isinstance(text, str):
                     continue
-                name = names.get(dest, dest)
                 if not text.strip():
                     raise bad_input(f"{name} must not be empty")
                 try:
@@ -121,11 +122,11 @@ def one_line_error(parser: CommandParser, message: str) -> NoReturn:
     parser.exit(2, f"{parser.prog}: error: {message} (see --help)\n")
 
 
-def whole_number(text: str) -> int:
+def whole_number(text: str, what: str = "a whole number") -> int:
     """argparse type for an integer option: ASCII digits (and a sign) only; ``int()``
     also takes ``' 5'`` and Arabic-Indic or other scripts' digits."""
     if not re.fullmatch(r"[-+]?[0-9]{1,19}", text, re.ASCII):
-        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}")
+        raise argparse.ArgumentTypeError(f"not {what}: {text!r}")
     return int(text)
 
 
@@ -153,9 +154,7 @@ MAX_ROW_ID = 2**63 - 1
 
 def row_id(text: str) -> int:
     """argparse type for a job or issue id: a whole number the database can hold."""
-    if not re.fullmatch(r"[0-9]{1,19}", text, re.ASCII):
-        raise argparse.ArgumentTypeError(f"not an id: {text!r}")
-    value = int(text)
+    value = whole_number(text, "an id")
     if not 1 <= value <= MAX_ROW_ID:
         raise argparse.ArgumentTypeError(f"no such id: {text}")
     return value
@@ -163,9 +162,7 @@ def row_id(text: str) -> int:
 
 def limit(text: str) -> int:
     """argparse type for --limit: 1 to 100,000 rows."""
-    if not re.fullmatch(r"[0-9]{1,6}", text, re.ASCII):
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}")
-    value = int(text)
+    value = whole_number(text, "a number")
     if not 1 <= value <= 100_000:
         raise argparse.ArgumentTypeError("--limit must be from 1 to 100000")
     return value
