@@ -34,6 +34,7 @@ BAD_INPUT = error("bad input: `fields` names each offending field")
 UNAUTHENTICATED = error("no token, or an unknown, malformed or revoked one")
 FORBIDDEN = error("the token's scope is read: it may not POST")
 NOT_FOUND = error("no such id")
+UNKNOWN_FILTER = "nothing knows the `kind` or `lane` given (no handler, task, declared lane or job)"
 CONFLICT = error("the job's or issue's state does not allow this action")
 UNSUPPORTED = error("the body is not JSON (send Content-Type: application/json)")
 DATABASE_DOWN = error("the database is unreachable; retry later")

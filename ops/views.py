@@ -141,6 +141,16 @@ def paginate(
     }
 
 
+def check_filters(kind: str | None, lane: str | None) -> None:
+    """``operations.check_filters`` for a query or body: a kind or lane that nothing knows
+    is a 404 naming it, as an unknown source is (not an empty answer, not a 400: the
+    request is well formed, what it names does not exist)."""
+    try:
+        operations.check_filters(kind, lane)
+    except InvalidJob as exc:  # an unknown lane (an unknown kind is a 404 already)
+        raise NotFound(str(exc)) from None
+
+
 class QueueView(OpsView):
     """The figures of ``queue_status --json``."""
 
@@ -164,15 +174,18 @@ class DeadJobsView(OpsView):
         tags=["jobs"],
         summary="Dead jobs, newest first, with their last error",
         parameters=[DeadJobsQuery],
-        responses={200: DeadJobsResponse, **schema.READ_ERRORS},
+        responses={
+            200: DeadJobsResponse,
+            404: schema.error(schema.UNKNOWN_FILTER),
+            **schema.READ_ERRORS,
+        },
     )
     def get(self, request: Request) -> Response:
-        found = operations.dead_jobs(
-            kind=self.query.get("kind"),
-            lane=self.query.get("lane"),
-            since=self.query.get("since"),
-        )
+        kind, lane = self.query.get("kind"), self.query.get("lane")
+        found = operations.dead_jobs(kind=kind, lane=lane, since=self.query.get("since"))
         page = paginate(request, self.query, found.order_by("-pk"), "jobs", job_dict)
+        if not page["count"]:  # none: a kind or lane nothing knows is a typo, not "no jobs"
+            check_filters(kind, lane)
         return Response(page)
 
 
@@ -196,6 +209,7 @@ class RequeueDeadView(OpsView):
             200: RequeueResponse,
             409: OpenApiResponse(RequeueRefusedResponse, description="nothing requeued"),
             **schema.WRITE_ERRORS,
+            404: schema.error("no job has an id given in `ids`, or " + schema.UNKNOWN_FILTER),
         },
     )
     def post(self, request: Request) -> Response:
@@ -207,6 +221,8 @@ class RequeueDeadView(OpsView):
         selected: list[Job] = []
         if ids or kind or lane or chosen["all"]:  # a body that names nothing chooses no job
             selected = list(operations.dead_jobs(ids, kind=kind, lane=lane))
+            if not selected:  # as requeue_dead: an unknown kind or lane is bad input
+                check_filters(kind, lane)
         if ids:  # named jobs that are not dead are conflicts, reported with the rest
             found = {job.pk for job in selected}
             others = Job.objects.filter(pk__in=[pk for pk in ids if pk not in found])

@@ -160,3 +160,25 @@ def test_logs_with_debug_off_hold_the_500_traceback_and_the_401(worker_env):
     assert [line["status"] for line in errors if line["level"] == "warning"] == [401, 401]
     for token in (read, revoked, "y" * 43):
         assert token.split("_", 2)[-1] not in err
+
+
+def test_an_unknown_kind_or_lane_filter_is_refused_not_an_empty_page(read_token, write_token):
+    """As ``requeue_dead``/``list_jobs`` exit 2: a typo in a filter must not read as "no
+    dead jobs". Known kinds and lanes with nothing dead stay an empty page (200)."""
+    data = assert_json_error(request("GET", API + "dead-jobs/?kind=test.ecoh", read_token), 404)
+    assert "test.ecoh" in data["error"]
+    data = assert_json_error(request("GET", API + "dead-jobs/?lane=defualt", read_token), 404)
+    assert "defualt" in data["error"]
+    body = {"data": json.dumps({"kind": "test.ecoh"}), "content_type": "application/json"}
+    data = assert_json_error(request("POST", API + "dead-jobs/requeue/", write_token, **body), 404)
+    assert "test.ecoh" in data["error"]
+    body = {"data": json.dumps({"lane": "defualt"}), "content_type": "application/json"}
+    data = assert_json_error(request("POST", API + "dead-jobs/requeue/", write_token, **body), 404)
+    assert "defualt" in data["error"]
+
+    for path in ("dead-jobs/?kind=test.echo", "dead-jobs/?lane=default&kind=test.echo"):
+        response = request("GET", API + path, read_token)
+        assert response.status_code == 200 and response.json()["jobs"] == []
+    body = {"data": json.dumps({"kind": "test.echo"}), "content_type": "application/json"}
+    response = request("POST", API + "dead-jobs/requeue/", write_token, **body)
+    assert response.status_code == 200 and response.json()["requeued"] == []
