@@ -81,6 +81,8 @@ HANDOUT_BYTES = 4 * MIB
 IDLE_SECONDS = 0.05
 
 ERROR = "error"  # the writer's last database error (name is empty)
+FLUSHING = "flushing"  # the writer began a commit: (files, monotonic start) in detail, delay
+FLUSHED = "flushed"  # ... and it returned
 
 Outcome = tuple[str, str, str, float]  # (name, outcome, detail, delay)
 
@@ -318,7 +320,11 @@ def _writer_main(
                         while held and writer.accepting and writer.room(held[0].size):
                             writer.add(held.popleft())
             if writer.due(idle=idle or stopping or bool(held)):
+                # Sent before the commit, which may wait on a lock for a long time: the
+                # monitor's stuck rule then says what the writer is waiting for.
+                outcomes.put([("", FLUSHING, str(len(writer.buffer)), time.monotonic())])
                 writer.flush()
+                reports.append(("", FLUSHED, "", 0.0))
             elif writer.buffer and not writer.accepting:  # wait for the backoff
                 time.sleep(min(writer.wait_seconds(), 0.2))
             if reports:
@@ -408,6 +414,10 @@ def run(
             for name, outcome, detail, delay in found:
                 if outcome == ERROR:
                     monitor.error(detail)
+                elif outcome == FLUSHING:
+                    monitor.flushing(delay, int(detail))
+                elif outcome == FLUSHED:
+                    monitor.flushing(None)
                 else:
                     monitor.outcome(name, outcome, detail, delay)
 

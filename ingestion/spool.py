@@ -1091,6 +1091,7 @@ class Progress:
     last_terminal: float = field(default_factory=time.monotonic)
     pending_since: float | None = None
     last_error: str = ""
+    flushing: tuple[float, int] | None = None  # (since, files): a commit not yet returned
 
     def as_dict(self, pending: int = 0) -> dict[str, Any]:
         elapsed = max(time.monotonic() - self.started, 1e-9)
@@ -1293,6 +1294,12 @@ class Monitor:
     def error(self, message: str) -> None:
         self.progress.last_error = message
 
+    def flushing(self, since: float | None, files: int = 0) -> None:
+        """The writer began a commit of ``files`` at ``since`` (monotonic; the clock is
+        the machine's, the same in every process), or (None) it returned: while one waits
+        on the database, the stuck rule's reason says so."""
+        self.progress.flushing = None if since is None else (since, files)
+
     def next_retry_in(self, now: float | None = None) -> float | None:
         """Seconds until the next file waiting for a retry may be read again (None: none)."""
         if not self.retries:
@@ -1331,6 +1338,13 @@ class Monitor:
             len(self.files), progress.last_terminal, progress.pending_since, self.stuck_after
         )
         if reason:
+            if progress.flushing is not None:
+                since, files = progress.flushing
+                reason += (
+                    f"; the writer has waited {now - since:.0f} s for the database to commit a "
+                    f"batch of {files} file(s) (a lock held by another transaction, or a "
+                    "server that does not answer)"
+                )
             if progress.last_error:
                 reason += f"; last error: {progress.last_error}"
             log.error("spool_stuck", **self.figures(), reason=reason)
