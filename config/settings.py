@@ -35,7 +35,11 @@ def env_bool(name: str, default: bool = False) -> bool:
     return word in TRUE_WORDS
 
 
-def env_number(name: str, default: float) -> float:
+def env_number(
+    name: str, default: float, *, positive: bool = False, maximum: float | None = None
+) -> float:
+    """A number from the environment: finite, not negative (``positive``: above 0), at
+    most ``maximum``; anything else is a one-line configuration error naming it."""
     value = os.environ.get(name)
     if value is None or value == "":
         return default
@@ -45,8 +49,11 @@ def env_number(name: str, default: float) -> float:
         raise ImproperlyConfigured(f"{name} must be a number, got {value!r}") from None
     if not math.isfinite(number):
         raise ImproperlyConfigured(f"{name} must be a finite number, got {value!r}")
-    if number < 0:
-        raise ImproperlyConfigured(f"{name} must not be negative, got {value!r}")
+    if number < 0 or (positive and number == 0):
+        above = "above 0" if positive else "0 or more"
+        raise ImproperlyConfigured(f"{name} must be {above}, got {value!r}")
+    if maximum is not None and number > maximum:
+        raise ImproperlyConfigured(f"{name} must be at most {maximum:g}, got {value!r}")
     return number
 
 
@@ -242,9 +249,11 @@ TEMPLATES: list[dict] = []
 
 # Holdfast (DESIGN §7)
 HOLDFAST_SHUTDOWN_GRACE_SECONDS = env_number("HOLDFAST_SHUTDOWN_GRACE_SECONDS", 25)
-HOLDFAST_LEASE_SECONDS = env_number("HOLDFAST_LEASE_SECONDS", 60)
-HOLDFAST_POLL_SECONDS = env_number("HOLDFAST_POLL_SECONDS", 1)
-HOLDFAST_RECLAIM_SECONDS = env_number("HOLDFAST_RECLAIM_SECONDS", 5)
+# At most a day, as jobs.options.MAX_LEASE_SECONDS (a longer lease would overflow the
+# database's timestamps; heartbeats renew it, so long jobs need no long lease).
+HOLDFAST_LEASE_SECONDS = env_number("HOLDFAST_LEASE_SECONDS", 60, positive=True, maximum=86_400)
+HOLDFAST_POLL_SECONDS = env_number("HOLDFAST_POLL_SECONDS", 1, positive=True, maximum=3600)
+HOLDFAST_RECLAIM_SECONDS = env_number("HOLDFAST_RECLAIM_SECONDS", 5, positive=True, maximum=3600)
 # health/ fails (ingester_stuck) when a submission waits in incoming/ longer than this: a
 # running ingester takes files within seconds. 0 turns the check off.
 HOLDFAST_SPOOL_STUCK_SECONDS = env_number("HOLDFAST_SPOOL_STUCK_SECONDS", 300)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import threading
 import time
@@ -12,7 +13,7 @@ from typing import Any
 from django.db import connection, transaction
 
 from . import engine, sql
-from .exceptions import Cancelled, LeaseLost
+from .exceptions import Cancelled, LeaseLost, PermanentError
 from .log import get_logger
 from .sql import Claimed
 
@@ -98,6 +99,8 @@ class JobContext:
         """A transaction whose writes commit only while this attempt holds the lease."""
         if self.completed:
             raise RuntimeError(f"job {self.job_id} already completed in an earlier ctx.atomic()")
+        if complete:
+            check_result(result)  # before the block's effects: none is written for nothing
         written = None
         # The server ends a session idle in this transaction after one lease: set in the
         # outermost block, and in a worker in every block, since a block nested in the
@@ -215,3 +218,13 @@ class JobContext:
         self._pending_progress = None
         self._progress_written_at = time.monotonic()
         return pending
+
+
+def check_result(result: Any) -> None:
+    """A job's result is stored as JSON (strict: no NaN or Infinity, which the database's
+    JSON refuses): anything else is the handler's bug, so a ``PermanentError`` (dead at
+    once, with this reason), never a retry that fails the same way ten times."""
+    try:
+        json.dumps(result, allow_nan=False)
+    except (TypeError, ValueError, RecursionError) as exc:
+        raise PermanentError(f"the handler's result is not JSON: {exc}") from None

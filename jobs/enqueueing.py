@@ -24,7 +24,7 @@ from django.db.models.functions import Now
 from django.utils import timezone
 
 from . import lanes as lane_config
-from . import notify, sql
+from . import notify, options, sql
 from .exceptions import (
     InvalidJob,
     LaneFull,
@@ -36,8 +36,6 @@ from .registry import HandlerSpec, get_handler
 log = get_logger("jobs.enqueueing")
 
 ARGS_ENCODER = json.JSONEncoder(allow_nan=False)  # strict JSON: no NaN or Infinity
-MAX_ATTEMPTS_LIMIT = 1_000_000
-MAX_DELAY = timedelta(days=365 * 100)
 UNIQUE_KEY_LENGTH = 255
 LOCK_NAME_LENGTH = 255
 KEYS_PER_QUERY = 1000  # keeps ``IN (…)`` well under SQLite's bound-parameter limit
@@ -98,6 +96,8 @@ def enqueue_many(
     count, so bulk producers (discovery, refreshers) need no loop of single enqueues.
     """
     spec = get_handler(kind)
+    if lane is not None and (not isinstance(lane, str) or not lane):
+        raise InvalidJob(f"lane must be a lane's name, not {lane!r}")
     args_list = list(args_list)
     args_text = _args_array(args_list)
     if unique_key is not None and unique_keys is not None:
@@ -327,8 +327,10 @@ def _collector_paused() -> Iterator[None]:
 def _validated_keys(keys: Sequence[str] | None, count: int) -> list[str] | None:
     if keys is None:
         return None
+    if isinstance(keys, str | bytes):  # a sequence too: one key per character
+        raise InvalidJob("unique_keys must be a list of keys, one per job, not one string")
     keys = list(keys)
-    if isinstance(keys, str) or len(keys) != count:
+    if len(keys) != count:
         raise InvalidJob(f"unique_keys must hold one key per job: {len(keys)} for {count} jobs")
     for key in keys:
         if not isinstance(key, str) or not 0 < len(key) <= UNIQUE_KEY_LENGTH:
@@ -467,22 +469,16 @@ def _unstorable(value: Any) -> str | None:
 def _validated_max_attempts(max_attempts: int | None, spec: HandlerSpec) -> int:
     if max_attempts is None:
         return spec.max_attempts
-    if not isinstance(max_attempts, int) or not 1 <= max_attempts <= MAX_ATTEMPTS_LIMIT:
-        raise InvalidJob(
-            f"max_attempts must be an integer from 1 to {MAX_ATTEMPTS_LIMIT}, not {max_attempts!r}"
-        )
+    if problem := options.max_attempts_problem(max_attempts):
+        raise InvalidJob(problem)
     return max_attempts
 
 
 def _validated_lease_seconds(lease_seconds: float | None, spec: HandlerSpec) -> float:
     if lease_seconds is None:
         return _lease_seconds(spec)
-    if (
-        isinstance(lease_seconds, bool)
-        or not isinstance(lease_seconds, int | float)
-        or not 0 < lease_seconds < float("inf")
-    ):
-        raise InvalidJob(f"lease_seconds must be a positive number, not {lease_seconds!r}")
+    if problem := options.lease_seconds_problem(lease_seconds):
+        raise InvalidJob(problem)
     return float(lease_seconds)
 
 
@@ -495,6 +491,8 @@ def _run_at_expression(delay: float | timedelta | None, run_at: datetime | None)
     if delay is not None and run_at is not None:
         raise InvalidJob("give delay or run_at, not both")
     if run_at is not None:
+        if not isinstance(run_at, datetime):
+            raise InvalidJob(f"run_at must be a timezone-aware datetime, not {run_at!r}")
         if timezone.is_naive(run_at):
             raise InvalidJob("run_at must be timezone-aware")
         try:
@@ -506,9 +504,9 @@ def _run_at_expression(delay: float | timedelta | None, run_at: datetime | None)
         return run_at
     if delay is None:
         return None  # the column's default: the database clock
+    if problem := options.delay_problem(delay):  # also refuses NaN, a string, a bool
+        raise InvalidJob(problem)
     seconds = delay.total_seconds() if isinstance(delay, timedelta) else float(delay)
-    if not 0 <= seconds <= MAX_DELAY.total_seconds():  # also refuses NaN
-        raise InvalidJob(f"delay must be from 0 to {MAX_DELAY.days} days in seconds, not {delay}")
     return Now() + timedelta(seconds=seconds)
 
 

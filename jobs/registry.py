@@ -14,6 +14,7 @@ from typing import Any
 
 from django.utils.module_loading import autodiscover_modules
 
+from . import options
 from .exceptions import UnknownKind
 from .retry import RetryPolicy, as_policy
 
@@ -55,13 +56,17 @@ def handler(
     unique: bool = False,
     schedule: str | int | None = None,
 ) -> Callable[[HandlerFunc], HandlerFunc]:
-    """Register the decorated function as the handler of ``kind``."""
-    if not kind or len(kind) > 200:
-        raise ValueError("a job kind is a non-empty string of at most 200 characters")
-    if max_attempts < 1:
-        raise ValueError("max_attempts must be at least 1")
-    if lease_seconds is not None and lease_seconds <= 0:
-        raise ValueError("lease_seconds must be positive")
+    """Register the decorated function as the handler of ``kind``.
+
+    Every option is checked here, at import, with the bounds ``enqueue()`` applies
+    (``jobs.options``): a value the engine cannot store would otherwise fail each of the
+    kind's jobs, or every worker that claims one (a ValueError naming the kind and option).
+    """
+    if not isinstance(kind, str) or not kind or len(kind) > 200:
+        raise ValueError(f"a job kind is a non-empty string of at most 200 characters: {kind!r}")
+    problem = _options_problem(max_attempts, lease_seconds, backoff, lane, locks, schedule)
+    if problem:
+        raise ValueError(f"handler {kind!r}: {problem}")
 
     def register(func: HandlerFunc) -> HandlerFunc:
         spec = HandlerSpec(
@@ -86,6 +91,23 @@ def handler(
         return func
 
     return register
+
+
+def _options_problem(
+    max_attempts: Any, lease_seconds: Any, backoff: Any, lane: Any, locks: Any, schedule: Any
+) -> str | None:
+    if lane is not None and (not isinstance(lane, str) or not lane):
+        return f"lane must be a lane's name, not {lane!r}"
+    if locks is not None and not callable(locks):
+        return f"locks must be a function of the job's args returning lock names, not {locks!r}"
+    every = schedule is not None and not isinstance(schedule, str)
+    if every and (not options.is_number(schedule) or not schedule > 0):  # also refuses NaN
+        return f"schedule must be a cron expression or seconds above 0, not {schedule!r}"
+    return (
+        options.max_attempts_problem(max_attempts)
+        or (None if lease_seconds is None else options.lease_seconds_problem(lease_seconds))
+        or options.backoff_problem(backoff)
+    )
 
 
 def _same_origin(a: HandlerFunc, b: HandlerFunc) -> bool:

@@ -37,8 +37,8 @@ def as_policy(
     if isinstance(backoff, RetryPolicy):
         return backoff.delay
     if isinstance(backoff, int | float):
-        if backoff < 0:
-            raise ValueError("backoff must not be negative")
+        if not 0 <= backoff < float("inf"):  # the handler's own check names the bounds
+            raise ValueError(f"backoff must be a number of seconds from 0, not {backoff!r}")
         fixed = float(backoff)
         return lambda attempt: fixed
     if callable(backoff):

@@ -35,6 +35,7 @@ from django.utils.json import normalize_json
 from django.utils.module_loading import import_string
 
 from . import lanes as lane_config
+from . import options
 from .exceptions import Cancelled, InvalidJob, LaneFull, LaneRefused, PermanentError, UnknownKind
 from .registry import TASK_KIND, handler
 
@@ -50,7 +51,9 @@ OPTION_NAMES = ("max_attempts", "lease_seconds")
 
 LocksOption = Sequence[str] | Callable[..., Iterable[str]] | None
 
-_RESULT_ID = re.compile(r"[0-9]{1,18}")  # a job's primary key; longer would overflow bigint
+# A job's primary key as this backend writes it (no leading zero: "026" is no result's id);
+# longer would overflow bigint.
+_RESULT_ID = re.compile(r"[1-9][0-9]{0,17}")
 
 
 class InvalidTaskArguments(InvalidTask, InvalidJob, TypeError):
@@ -67,22 +70,6 @@ class LeaseExpired(Exception):
 # --- options -----------------------------------------------------------------------------
 
 
-def _max_attempts_problem(value: Any) -> str | None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        return f"max_attempts must be a positive integer, not {value!r}"
-    return None
-
-
-def _lease_seconds_problem(value: Any) -> str | None:
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, int | float)
-        or not 0 < value < float("inf")
-    ):
-        return f"lease_seconds must be a positive number of seconds, not {value!r}"
-    return None
-
-
 def _locks_problem(locks: Any) -> str | None:
     if locks is None or callable(locks):
         return None
@@ -94,19 +81,19 @@ def _locks_problem(locks: Any) -> str | None:
     return None
 
 
-def _options_problems(options: Any) -> list[str]:
+def _options_problems(given: Any) -> list[str]:
     """What is wrong with a backend's OPTIONS (empty when nothing is)."""
-    if not isinstance(options, Mapping):
-        return [f"OPTIONS must be a dict, not {type(options).__name__}"]
+    if not isinstance(given, Mapping):
+        return [f"OPTIONS must be a dict, not {type(given).__name__}"]
     problems = [
         f"unknown option {name!r} (known: {', '.join(OPTION_NAMES)})"
-        for name in options
+        for name in given
         if name not in OPTION_NAMES
     ]
-    if "max_attempts" in options:
-        problems.append(_max_attempts_problem(options["max_attempts"]) or "")
-    if "lease_seconds" in options:
-        problems.append(_lease_seconds_problem(options["lease_seconds"]) or "")
+    if "max_attempts" in given:
+        problems.append(options.max_attempts_problem(given["max_attempts"]) or "")
+    if "lease_seconds" in given:
+        problems.append(options.lease_seconds_problem(given["lease_seconds"]) or "")
     return [problem for problem in problems if problem]
 
 
@@ -174,8 +161,8 @@ class HoldfastBackend(BaseTaskBackend):
         max_attempts = getattr(task, "max_attempts", None)
         lease_seconds = getattr(task, "lease_seconds", None)
         for problem in (
-            None if max_attempts is None else _max_attempts_problem(max_attempts),
-            None if lease_seconds is None else _lease_seconds_problem(lease_seconds),
+            None if max_attempts is None else options.max_attempts_problem(max_attempts),
+            None if lease_seconds is None else options.lease_seconds_problem(lease_seconds),
             _locks_problem(getattr(task, "locks", None)),
         ):
             if problem:

@@ -36,7 +36,6 @@ import contextlib
 import dataclasses
 import functools
 import inspect
-import json
 import os
 import signal
 import sys
@@ -59,14 +58,15 @@ from django.db import (
 )
 from django.db.models.functions import Now
 
-from . import engine, notify, sql, workers
+from . import engine, notify, options, sql, workers
 from . import lanes as lane_config
-from .context import JobContext
+from .context import JobContext, check_result
 from .exceptions import Cancelled, LeaseLost, PermanentError, UnknownKind
 from .log import bound_context, get_logger
 from .models import Job, State
 from .notify import PollWaker, SideListener
 from .registry import HandlerSpec, all_handlers, autodiscover, get_handler
+from .retry import DEFAULT_RETRY
 from .scheduler import SchedulerLoop
 from .sql import Claimed
 
@@ -284,7 +284,7 @@ class WorkerProcess:
                 return None  # committed inside ctx.atomic(complete=True)
             if result is None:
                 return engine.SUCCEEDED
-            _check_json(result)
+            check_result(result)
             return engine.succeeded(result)
         except LeaseLost:
             log.warning("lease_lost", during="handler")
@@ -740,18 +740,24 @@ def _handler_traceback(exc: BaseException) -> str:
     return "".join(traceback.format_exception(type(exc), exc, tb.tb_next if tb else None))
 
 
-def _check_json(result: Any) -> None:
-    try:
-        json.dumps(result)
-    except (TypeError, ValueError) as exc:
-        raise PermanentError(f"the handler returned a value that is not JSON: {exc}") from None
-
-
 def _backoff(job: Claimed) -> float:
+    """The handler's delay before the next attempt. A backoff that raises, or answers with
+    no delay the engine can store (NaN, negative, not a number), is the handler's bug and
+    must cost neither the worker nor the job (I3): the default policy's delay, logged."""
     try:
-        return float(get_handler(job.kind).backoff(job.attempt))
+        backoff = get_handler(job.kind).backoff
     except UnknownKind:
         return 0.0
+    try:
+        answer = backoff(job.attempt)
+    except Exception as exc:
+        log.error("backoff_failed", error=f"{_class_path(exc)}: {_one_line(exc)}")
+        return DEFAULT_RETRY.delay(job.attempt)
+    delay = options.retry_delay(answer)
+    if delay is None:
+        log.error("backoff_failed", error=f"the backoff returned {answer!r}, not seconds >= 0")
+        return DEFAULT_RETRY.delay(job.attempt)
+    return delay
 
 
 def _class_path(exc: BaseException) -> str:

@@ -474,8 +474,10 @@ def test_the_system_check_reports_a_misconfigured_tasks_entry():
     text = "\n".join(message for _, message in found)
     assert "TASKS['broken']: QUEUES names 'nope', which is not a lane in HOLDFAST_LANES" in text
     assert "unknown option 'retries'" in text
-    assert "max_attempts must be a positive integer, not '3'" in text
-    assert "lease_seconds must be a positive number of seconds, not 0" in text
+    assert "max_attempts must be an integer from 1 to 1000000, not '3'" in text
+    assert (
+        "lease_seconds must be a number of seconds above 0 and at most 86400 (a day), not 0" in text
+    )
     assert messages(backend(QUEUES="default")) == [
         ("holdfast.E011", "TASKS['broken']: QUEUES must be a list of lane names, not 'default'.")
     ]
@@ -507,6 +509,6 @@ def test_the_project_settings_pass_the_check():
 def test_enqueue_refuses_bad_options_clearly():
     from django.core.exceptions import ImproperlyConfigured
 
-    with pytest.raises(ImproperlyConfigured, match="max_attempts must be a positive integer"):
+    with pytest.raises(ImproperlyConfigured, match="max_attempts must be an integer from 1"):
         backend(OPTIONS={"max_attempts": 0}).enqueue(tasks.add, [1, 1], {})
     assert not Job.objects.exists()

@@ -1,0 +1,173 @@
+"""A job's options have one set of bounds (jobs.options) whichever way they are given:
+``@handler(...)`` refuses at import, ``enqueue()`` with ``InvalidJob``, a task backend's
+OPTIONS by a system check. Out of them, a value the engine cannot store would have made a
+poison job: a lease past the database's timestamps (every claim fails, on every worker),
+a backoff that raises (the worker dies), a result that is not strict JSON (ten retries of
+the same failure)."""
+
+from __future__ import annotations
+
+import math
+from datetime import datetime, timedelta
+from typing import Any
+
+import pytest
+from django.db import connection
+from django.test import override_settings
+from structlog.testing import capture_logs
+
+from jobs import InvalidJob, RetryPolicy, enqueue, enqueue_many, handler
+from jobs.context import JobContext
+from jobs.models import Job, State
+from jobs.options import MAX_LEASE_SECONDS
+from jobs.tasks_backend import _options_problems
+
+pytestmark = pytest.mark.django_db
+
+
+@handler("opt.bad_backoff", max_attempts=3, backoff=lambda attempt: 1 / 0)
+def bad_backoff(ctx: JobContext) -> None:
+    raise RuntimeError("the job's own failure")
+
+
+@handler("opt.nan_backoff", max_attempts=2, backoff=lambda attempt: math.nan)
+def nan_backoff(ctx: JobContext) -> None:
+    raise RuntimeError("fails")
+
+
+@handler("opt.nan_result", max_attempts=5, backoff=0)
+def nan_result(ctx: JobContext) -> float:
+    return math.nan
+
+
+@handler("opt.inf_complete", max_attempts=5, backoff=0)
+def inf_complete(ctx: JobContext) -> None:
+    with ctx.atomic(complete=True, result={"ratio": math.inf}):
+        Job.objects.filter(pk=ctx.job_id).update(last_error="an effect that must not commit")
+
+
+HANDLER_OPTIONS = [
+    ({"max_attempts": 0}, "max_attempts"),
+    ({"max_attempts": 2.5}, "max_attempts"),
+    ({"max_attempts": True}, "max_attempts"),
+    ({"max_attempts": 10**12}, "max_attempts"),
+    ({"max_attempts": "5"}, "max_attempts"),
+    ({"lease_seconds": math.inf}, "lease_seconds"),
+    ({"lease_seconds": math.nan}, "lease_seconds"),
+    ({"lease_seconds": 1e12}, "lease_seconds"),
+    ({"lease_seconds": "x"}, "lease_seconds"),
+    ({"lease_seconds": 0}, "lease_seconds"),
+    ({"backoff": math.inf}, "backoff"),
+    ({"backoff": math.nan}, "backoff"),
+    ({"backoff": 1e300}, "backoff"),
+    ({"backoff": -1}, "backoff"),
+    ({"backoff": "soon"}, "backoff"),
+    ({"backoff": RetryPolicy(base=-1)}, "RetryPolicy.base"),
+    ({"backoff": RetryPolicy(cap=math.inf)}, "RetryPolicy.cap"),
+    ({"backoff": RetryPolicy(jitter=2)}, "RetryPolicy.jitter"),
+    ({"schedule": 0}, "schedule"),
+    ({"schedule": -5}, "schedule"),
+    ({"schedule": True}, "schedule"),
+    ({"schedule": math.nan}, "schedule"),
+    ({"lane": ""}, "lane"),
+    ({"lane": 5}, "lane"),
+    ({"locks": ["a"]}, "locks"),
+]
+
+
+@pytest.mark.parametrize(
+    ("given", "named"), HANDLER_OPTIONS, ids=[repr(g) for g, _ in HANDLER_OPTIONS]
+)
+def test_handler_refuses_options_the_engine_cannot_use_at_import(given: dict[str, Any], named: str):
+    with pytest.raises(ValueError, match=f"handler 'opt.refused': {named}"):
+        handler("opt.refused", **given)
+
+
+def test_handler_keeps_every_valid_form():
+    handler("opt.valid", max_attempts=1_000_000, lease_seconds=MAX_LEASE_SECONDS, backoff=0)
+    handler("opt.valid2", backoff=RetryPolicy(base=1, cap=60, jitter=0), schedule=0.5)
+    handler("opt.valid3", backoff=lambda attempt: attempt, schedule="*/5 * * * *", lane="x")
+
+
+ENQUEUE_OPTIONS = [
+    ({"lease_seconds": 1e12}, "lease_seconds"),
+    ({"lease_seconds": MAX_LEASE_SECONDS + 1}, "lease_seconds"),
+    ({"delay": "5"}, "delay"),
+    ({"delay": True}, "delay"),
+    ({"delay": timedelta(days=-1)}, "delay"),
+    ({"run_at": "2030-01-01T00:00:00Z"}, "run_at"),
+    ({"lane": ""}, "lane"),
+    ({"max_attempts": 10**7}, "max_attempts"),
+]
+
+
+@pytest.mark.parametrize(
+    ("given", "named"), ENQUEUE_OPTIONS, ids=[repr(g) for g, _ in ENQUEUE_OPTIONS]
+)
+def test_enqueue_refuses_with_invalid_job_naming_the_option(given: dict[str, Any], named: str):
+    with pytest.raises(InvalidJob, match=named):
+        enqueue("test.echo", **given)
+    assert not Job.objects.exists()
+
+
+def test_unique_keys_as_one_string_is_refused_not_split_into_characters():
+    with pytest.raises(InvalidJob, match="a list of keys"):
+        enqueue_many("test.echo", [{}, {}], unique_keys="ab")
+    assert not Job.objects.exists()
+
+
+def test_the_longest_lease_is_stored_and_claimed(run_worker):
+    job = enqueue("test.echo", lease_seconds=MAX_LEASE_SECONDS)
+    assert run_worker() == 1
+    job.refresh_from_db()
+    assert job.state == State.SUCCEEDED
+
+
+def test_a_backoff_that_raises_is_a_failed_attempt_not_a_dead_worker(run_worker):
+    job = enqueue("opt.bad_backoff")
+    with capture_logs() as logs:
+        run_worker()
+    job.refresh_from_db()
+    assert job.state == State.QUEUED and job.attempts == 1  # retried on the default policy
+    assert "RuntimeError: the job's own failure" in job.last_error
+    assert 1 <= (job.run_at - datetime.now(job.run_at.tzinfo)).total_seconds() <= 6
+    (failed,) = [entry for entry in logs if entry["event"] == "backoff_failed"]
+    assert failed["error"] == "ZeroDivisionError: division by zero"
+
+
+def test_a_backoff_of_nan_falls_back_to_the_default_policy(run_worker):
+    job = enqueue("opt.nan_backoff")
+    run_worker()
+    job.refresh_from_db()
+    assert job.state == State.QUEUED and job.run_at is not None
+
+
+def test_a_nan_result_is_dead_at_once_with_the_reason(run_worker):
+    job = enqueue("opt.nan_result")
+    run_worker()
+    job.refresh_from_db()
+    assert (job.state, job.attempts) == (State.DEAD, 1)
+    assert "result is not JSON" in job.last_error
+
+
+def test_a_non_json_result_of_complete_is_dead_at_once_and_commits_no_effect(run_worker):
+    job = enqueue("opt.inf_complete")
+    run_worker()
+    job.refresh_from_db()
+    assert (job.state, job.attempts) == (State.DEAD, 1)
+    assert "result is not JSON" in job.last_error
+
+
+def test_task_options_have_the_same_bounds():
+    assert any("max_attempts" in p for p in _options_problems({"max_attempts": 10**7}))
+    assert any("lease_seconds" in p for p in _options_problems({"lease_seconds": 1e12}))
+    assert _options_problems({"max_attempts": 5, "lease_seconds": 30}) == []
+
+
+@override_settings(HOLDFAST_LEASE_SECONDS=30)
+def test_the_default_lease_applies_when_none_is_given():
+    job = enqueue("test.echo")
+    assert job is not None and job.lease_seconds == 30
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT lease_seconds FROM jobs_job WHERE id = %s", [job.pk])
+        assert cursor.fetchone()[0] == 30
