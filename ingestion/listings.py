@@ -46,6 +46,10 @@ from jobs.exceptions import HoldfastError
 
 LASTMOD_LENGTH = 64
 FEED_ROOTS = ("feed", "rss", "rdf")
+# A gzipped listing's members: bgzip writes one per 64 KiB, so a 10 MiB cap is 160 of them;
+# a file of thousands of empty members is built to cost time, not to hold a listing.
+MAX_GZIP_MEMBERS = 10_000
+GZIP_CHUNK = 65_536  # bytes fed to the decoder at a time
 URL_LENGTH = 2000  # bytes of UTF-8: the longest URL a listing may give (a longer one is skipped)
 
 
@@ -81,6 +85,8 @@ def parse_listing(body: bytes, url: str, content_type: str = "") -> Listing:
     body = _inflated(body, url)
     if urlsplit(url).path.endswith("/robots.txt"):
         return _robots(body, url)
+    if ENTITY_BYTES.search(body):  # as bytes too: a declared encoding may hide it as text
+        raise ListingError(f"{url}: refused XML (entity declarations are not read)")
     try:
         text = decode(body, content_type, url)
     except ListingError:
@@ -90,7 +96,7 @@ def parse_listing(body: bytes, url: str, content_type: str = "") -> Listing:
     start = text.lstrip("\ufeff \t\r\n")
     if not start.startswith("<"):
         return _text_sitemap(start, url)
-    if re.search(r"<!ENTITY", text, re.IGNORECASE):
+    if ENTITY.search(text):  # as text too: UTF-16 hides it from the bytes' search
         raise ListingError(f"{url}: refused XML (entity declarations are not read)")
     tag = root_tag(text)
     if tag in ("sitemapindex", "urlset"):
@@ -109,6 +115,8 @@ BOMS = [
     (codecs.BOM_UTF16_LE, "utf-16-le"),
     (codecs.BOM_UTF16_BE, "utf-16-be"),
 ]
+ENTITY = re.compile(r"<!ENTITY", re.IGNORECASE)
+ENTITY_BYTES = re.compile(rb"<!ENTITY", re.IGNORECASE)
 XML_DECLARATION = re.compile(rb"""<\?xml[^>]*?encoding\s*=\s*["']([A-Za-z0-9._:-]+)["']""")
 
 
@@ -157,22 +165,34 @@ def known_encoding(name: str) -> bool:
 
 
 def _inflated(body: bytes, url: str) -> bytes:
+    """A gzipped listing inflated, every member of it, bounded by the fetch cap.
+
+    The body is fed in chunks (``zlib`` copies what follows a member's end into
+    ``unused_data``: fed whole, a file of many tiny members cost time in the square of its
+    size), and at most ``MAX_GZIP_MEMBERS`` members are read."""
     if not body.startswith(b"\x1f\x8b"):
         return body
     cap = settings.HOLDFAST_FETCH_MAX_BYTES
     inflated = bytearray()
-    rest = body
-    while rest.lstrip(b"\x00") and len(inflated) <= cap:  # every member of the file
+    view = memoryview(body)
+    position = members = 0
+    while position < len(body) and body[position] != 0 and len(inflated) <= cap:
+        members += 1  # a NUL after a member is padding: the end
+        if members > MAX_GZIP_MEMBERS:
+            raise ListingError(f"{url}: more than {MAX_GZIP_MEMBERS} gzip members")
         decoder = zlib.decompressobj(16 + zlib.MAX_WBITS)
         try:
-            inflated += decoder.decompress(rest, cap + 1 - len(inflated))
+            while not decoder.eof and position < len(body) and len(inflated) <= cap:
+                chunk = view[position : position + GZIP_CHUNK]
+                inflated += decoder.decompress(chunk, cap + 1 - len(inflated))
+                unread = len(decoder.unused_data) + len(decoder.unconsumed_tail)
+                position += len(chunk) - unread
         except zlib.error as exc:
             if inflated:
                 break  # what follows the first member is not gzip: keep what was read
             raise ListingError(f"{url}: broken gzip data ({exc})") from None
         if not decoder.eof:
             break  # truncated, or stopped at the cap
-        rest = decoder.unused_data
     if len(inflated) > cap:
         raise ListingError(f"{url}: inflates to more than {cap} bytes")
     return bytes(inflated)

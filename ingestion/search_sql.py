@@ -25,6 +25,7 @@ strings (so FTS5's own operators and column filters in the text mean nothing).
 from __future__ import annotations
 
 import re
+import unicodedata
 from dataclasses import dataclass
 
 from django.conf import settings
@@ -78,7 +79,10 @@ SQLITE_MATCHES = f"""
 
 # An optional "-", then a double-quoted phrase (closed or not) or a run of other characters.
 QUERY_PART = re.compile(r'(-?)(?:"([^"]*)"?|([^\s"]+))')
-WORD = re.compile(r"\w+")
+# What splits words: anything but letters, combining marks and decimal digits. Python's \w
+# also takes "_" and "²", which SQLite's unicode61 tokenizer or PostgreSQL's parser drop: a
+# query word made of them was an empty phrase on one database and nothing on the other.
+WORD_CATEGORIES = frozenset({"Lu", "Ll", "Lt", "Lm", "Lo", "Mn", "Mc", "Nd"})
 # PostgreSQL's english.stop (Snowball): the words the english configuration ignores.
 _STOP_TEXT = """i me my myself we our ours ourselves you your yours yourself yourselves he him his
     himself she her hers herself it its itself they them their theirs themselves what which
@@ -155,10 +159,16 @@ def parse_query(text: str) -> Query:
         if not minus and not phrase and bare.lower() == "or":
             alternatives.append([])
             continue
-        words = significant(WORD.findall(phrase or bare))
+        words = significant(words_of(phrase or bare))
         if words:
             alternatives[-1].append(Term(words, excluded=bool(minus)))
     return [terms for terms in alternatives if any(not term.excluded for term in terms)]
+
+
+def words_of(text: str) -> list[str]:
+    """The words of a query part, as both databases' tokenizers read a document's."""
+    kept = "".join(ch if unicodedata.category(ch) in WORD_CATEGORIES else " " for ch in text)
+    return kept.split()
 
 
 def significant(words: list[str]) -> tuple[str, ...]:

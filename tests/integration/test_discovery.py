@@ -48,6 +48,28 @@ def test_a_sitemap_index_lists_its_sitemaps_and_a_sitemap_its_urls():
     ]
 
 
+def test_a_gzipped_sitemap_of_countless_empty_members_is_refused_at_once():
+    """Thousands of empty gzip members (20 bytes each) inflate to nothing, but fed whole
+    each one copied the rest of the file: 10 MiB of them kept a worker busy 107 s."""
+    empty = gzip.compress(b"")
+    body = empty * (10 * 1024 * 1024 // len(empty))
+    with pytest.raises(ListingError, match="more than 10000 gzip members"):
+        parse_listing(body, f"{BASE}/many.xml.gz")
+
+
+def test_an_entity_declaration_hidden_by_a_declared_encoding_is_refused():
+    """``encoding="hz"`` decodes ``<!ENTITY`` into other characters, while a feed parser
+    may read the same bytes as ASCII: the bytes are searched too."""
+    feed = (
+        b'<?xml version="1.0" encoding="hz"?>\n'
+        b'<!DOCTYPE rss [<?x ~{?><!ENTITY a "aaaa">]><!--~}-->\n'
+        b'<rss version="2.0"><channel><title>t</title><item><title>&a;</title>'
+        b"<link>https://example.org/a</link></item></channel></rss>"
+    )
+    with pytest.raises(ListingError, match="entity declarations are not read"):
+        parse_listing(feed, f"{BASE}/f.xml", "text/xml")
+
+
 def test_a_gzipped_sitemap_file_is_read_member_by_member_and_capped(settings):
     """A .xml.gz of several gzip members (concatenated files) is read whole; one that
     inflates past the fetch cap is refused without inflating it all."""

@@ -519,6 +519,11 @@ SYNTAX = [
     ("cats or", {"cats", "both", "black-cat", "cat-black", "fish"}),
     ("zebra", set()),
     ("zebra or kittens", {"kittens"}),
+    # Characters no word holds on either database split words or are dropped, on both.
+    ("kittens _", {"kittens"}),
+    ("kittens ²", {"kittens"}),
+    ("red_ball", {"kittens"}),
+    ('"red_ball" -_', {"kittens"}),
 ]
 
 
@@ -538,3 +543,18 @@ def test_the_query_syntax_answers_the_same_on_both_databases(corpus):
     for query, expected in SYNTAX:
         found = {corpus[hit.url] for hit in search.search(query, limit=search.MAX_LIMIT)}
         assert found == expected, query
+
+
+def test_html_is_read_as_a_stream_and_its_tags_bounded():
+    """No tree of the page: its text and first title, without scripts and styles, read up
+    to MAX_HTML_TAGS tags (10 MB of tags took 2 GB as a tree); what follows is not read."""
+    page = (
+        b"<html><head><title>First &amp; only</title><style>p{}</style></head><body>"
+        b"<p>kept <b>words</b></p><script>var hidden = 1;</script><noscript>no</noscript>"
+        b"<title>second title</title>"
+    )
+    extracted = search.extract(page, "text/html; charset=utf-8")
+    assert extracted == search.Extracted("First & only", "kept words second title")
+
+    flood = b"<p>early</p>" + b"<b>" * (search.MAX_HTML_TAGS + search.HTML_CHUNK) + b"late"
+    assert search.extract(flood, "text/html").text == "early"
