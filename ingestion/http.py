@@ -597,7 +597,7 @@ def _forbidden(
     source: Source, url: str, host: str, address: IPAddress, private: bool
 ) -> ForbiddenAddress:
     log.warning("address_forbidden", source=source.name, url=url, address=str(address))
-    if private:
+    if private or egress.never_allowed(address):
         why = "an address no source may reach (metadata, this network, multicast or reserved)"
     elif source.allow_private:
         why = "an internal address, and --allow-private covers the source's own host only"

@@ -364,6 +364,17 @@ def test_a_public_source_reaches_no_internal_address(site, resolver, address):
     assert site.requests == []
 
 
+def test_a_metadata_address_is_named_as_never_reachable_for_a_flagged_source(site, resolver):
+    """Not "--allow-private covers the source's own host only", which reads as a way in."""
+    source = public_source(site)
+    Source.objects.filter(pk=source.pk).update(allow_private=True)
+    source.refresh_from_db()
+    resolver["meta.example"] = ["169.254.169.254"]
+    with pytest.raises(http.ForbiddenAddress) as refused:
+        http.get(source, "http://meta.example/latest/meta-data/")
+    assert "no source may reach" in str(refused.value)
+
+
 def test_a_name_with_one_internal_address_among_public_ones_is_refused(site, resolver):
     resolver["docs.example"] = ["93.184.215.14", "127.0.0.1"]
     with pytest.raises(http.ForbiddenAddress) as refused:
