@@ -102,9 +102,9 @@ def extract_html(body: bytes, charset: str | None) -> Extracted:
     once it holds more than the index takes (``MAX_TEXT_CHARS``) or has read
     ``MAX_HTML_TAGS`` tags. The body is decoded as a browser would (its declared or
     sniffed charset, bs4's ``UnicodeDammit``)."""
-    markup = UnicodeDammit(body, [charset] if charset else [], is_html=True).unicode_markup
+    markup = UnicodeDammit(body, [charset] if charset else [], is_html=True).unicode_markup or ""
     parser = _HtmlText()
-    for start in range(0, len(markup or ""), HTML_CHUNK):
+    for start in range(0, len(markup), HTML_CHUNK):
         parser.feed(markup[start : start + HTML_CHUNK])
         if parser.chars > 2 * MAX_TEXT_CHARS or parser.tags > MAX_HTML_TAGS:
             break  # enough: cleaning only shortens the text, and the index cuts it
