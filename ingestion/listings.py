@@ -50,6 +50,9 @@ FEED_ROOTS = ("feed", "rss", "rdf")
 # a file of thousands of empty members is built to cost time, not to hold a listing.
 MAX_GZIP_MEMBERS = 10_000
 GZIP_CHUNK = 65_536  # bytes fed to the decoder at a time
+# A feed's tags: a thousand entries of twenty tags each are 20,000; more is not a feed but
+# work for its parser, which takes seconds per hundred thousand and no deadline stops.
+MAX_FEED_TAGS = 100_000
 URL_LENGTH = 2000  # bytes of UTF-8: the longest URL a listing may give (a longer one is skipped)
 
 
@@ -347,6 +350,9 @@ def _feed(body: bytes, url: str, content_type: str) -> Listing:
     The body goes in as a stream: given bytes, feedparser would first try them as a file
     name. Entity declarations were refused before this (``parse_listing``).
     """
+    tags = body.count(b"<")
+    if tags > MAX_FEED_TAGS:  # feedparser's time grows with them: 400,000 nested tags, 15 s
+        raise ListingError(f"{url}: a feed of {tags} tags (at most {MAX_FEED_TAGS} are read)")
     headers = {"content-location": url, "content-type": content_type or "application/xml"}
     parsed = feedparser.parse(io.BytesIO(body), response_headers=headers)
     malformed: list[str] = []

@@ -57,6 +57,13 @@ def test_a_gzipped_sitemap_of_countless_empty_members_is_refused_at_once():
         parse_listing(body, f"{BASE}/many.xml.gz")
 
 
+def test_a_feed_of_countless_tags_is_refused_before_its_parser_runs():
+    nested = b"<div>" * 150_000
+    feed = b'<rss version="2.0"><channel><title>t</title><description>' + nested + b"</rss>"
+    with pytest.raises(ListingError, match=r"a feed of 1500\d\d tags \(at most 100000"):
+        parse_listing(feed, f"{BASE}/deep.xml", "application/rss+xml")
+
+
 def test_an_entity_declaration_hidden_by_a_declared_encoding_is_refused():
     """``encoding="hz"`` decodes ``<!ENTITY`` into other characters, while a feed parser
     may read the same bytes as ASCII: the bytes are searched too."""
