@@ -392,8 +392,10 @@ def _feed(body: bytes, url: str, content_type: str) -> Listing:
 def absolute(base: str, url: str, malformed: list[str]) -> str:
     """An absolute http(s) URL without fragment, or "" for anything else.
 
-    A URL that does not even parse (``http://[::1/x``: urllib raises ``ValueError``) is
-    added to ``malformed`` and skipped: one bad entry must not stop the page, or the run.
+    A URL that does not even parse (``http://[::1/x``: urllib raises ``ValueError``), or
+    that names another scheme (``file:///etc/passwd``, ``ftp:``), is added to ``malformed``
+    (counted and logged, so it does not vanish unseen) and skipped: one bad entry must not
+    stop the page, or the run.
     """
     if not url:
         return ""
@@ -405,6 +407,7 @@ def absolute(base: str, url: str, malformed: list[str]) -> str:
         malformed.append(url.strip()[:URL_LENGTH])
         return ""
     if parts.scheme not in ("http", "https") or not parts.hostname:
+        malformed.append(url.strip()[:URL_LENGTH])
         return ""
     if len(joined.encode("utf-8", errors="replace")) > URL_LENGTH:
         # Counted in bytes: PostgreSQL cannot index a value over ~2,700 bytes, and 2,000

@@ -138,7 +138,7 @@ def test_text_sitemaps_list_one_url_a_line():
     body = f"{B}/a\n\n  {B}/b  \r\nnot a url\nftp://example.org/c\n# comment\n".encode()
     listing = parse_listing(body, f"{B}/sitemap.txt", "text/plain")
     assert [item.url for item in listing.items] == [f"{B}/a", f"{B}/b"]
-    assert listing.malformed == ["not a url"]
+    assert listing.malformed == ["not a url", "ftp://example.org/c"]  # both counted
     with pytest.raises(ListingError):
         parse_listing(b"hello\n", f"{B}/sitemap.txt")
 
