@@ -2,8 +2,10 @@
 
 import threading
 import time
+from io import StringIO
 
 import pytest
+from django.core.management import CommandError, call_command
 from django.db import connection, transaction
 from django.test import override_settings
 
@@ -113,3 +115,20 @@ def test_an_unlimited_lane_claim_never_waits_on_a_limited_lane():
     assert len(held) == 1
     assert engine.claim("all-lanes") is None  # the limited lane is full (max_running=1)
     assert Job.objects.filter(lane="limited", state=State.RUNNING).count() == 1
+
+
+@pytest.mark.parametrize(
+    "lanes",
+    [
+        {"default": {}, "q": {"max_queued": "10"}},  # every enqueue was a TypeError
+        {"default": {}, "q": {"kinds": "photo.*"}},  # every job went to "q"
+        {"default": {}, "q": "10"},  # an AttributeError
+    ],
+)
+def test_a_bad_lane_setting_makes_enqueue_bad_input_naming_the_lane(lanes):
+    with override_settings(HOLDFAST_LANES=lanes):
+        for extra in (["--lane", "q"], []):
+            with pytest.raises(CommandError) as raised:
+                call_command("enqueue", "test.echo", *extra, stdout=StringIO())
+            assert raised.value.returncode == 2 and "lane 'q'" in str(raised.value)
+    assert Job.objects.count() == 0
