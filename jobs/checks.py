@@ -5,11 +5,15 @@ from __future__ import annotations
 from typing import Any
 
 from django.core import checks
-from django.core.exceptions import ImproperlyConfigured
 
 
 @checks.register()
 def check_lanes_and_schedules(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckMessage]:
+    """One error per broken lane setting (E001) and per schedule that could never run
+    (E002): refused, missing a handler for its kind in this process, or routed to a lane
+    that does not exist or does not take the kind. ``runscheduler`` and ``runworker
+    --with-scheduler`` refuse to start on the same schedules (``schedules.check_runnable``).
+    """
     from . import lanes, schedules
 
     errors: list[checks.CheckMessage] = []
@@ -17,9 +21,9 @@ def check_lanes_and_schedules(app_configs: Any = None, **kwargs: Any) -> list[ch
         lanes.lanes()
     except (ValueError, TypeError) as exc:
         errors.append(checks.Error(str(exc), obj="HOLDFAST_LANES", id="holdfast.E001"))
-    try:
-        # Not the providers: they read rows, and checks also run before ``migrate``.
-        schedules.declared(providers=False)
-    except ImproperlyConfigured as exc:
-        errors.append(checks.Error(str(exc), obj="HOLDFAST_SCHEDULES", id="holdfast.E002"))
+    # Not the providers: they read rows, and checks also run before ``migrate``.
+    errors.extend(
+        checks.Error(problem, obj="HOLDFAST_SCHEDULES", id="holdfast.E002")
+        for problem in schedules.problems(providers=False)
+    )
     return errors

@@ -429,6 +429,12 @@ def _args_array(args_list: list[Any]) -> str:
     return f"[{', '.join(_args_json(args) for args in args_list)}]"
 
 
+def check_args(args: Any) -> None:
+    """Refuse (``InvalidJob``) args that enqueue would refuse, for declarations checked
+    long before their first enqueue (a schedule's, at ``manage.py check``)."""
+    _args_json(args)
+
+
 def _args_json(args: Any) -> str:
     """The args as JSON text; refuses anything that is not a JSON object."""
     if not isinstance(args, dict):

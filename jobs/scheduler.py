@@ -24,7 +24,7 @@ from . import engine, enqueueing, retention
 from .exceptions import HoldfastError, StateConflict
 from .log import get_logger
 from .models import CatchUp, Job, Schedule
-from .schedules import catch_up, declared, next_slot
+from .schedules import catch_up, declared, next_slot, slot_key
 
 log = get_logger("jobs.scheduler")
 
@@ -123,7 +123,7 @@ def _advance(pk: int, now: datetime) -> int | None:
                 next_due_at=following.isoformat(),
             )
             return None
-        job = _enqueue_slot(row, f"schedule:{row.name}:{run.isoformat()}")
+        job = _enqueue_slot(row, slot_key(row.name, run))
         if job is not None:
             Schedule.objects.filter(pk=pk).update(last_job_id=job.pk)
             log.info(

@@ -197,3 +197,45 @@ def test_slots_enqueue_at_local_time_across_the_spring_dst_change():
         "2026-03-28T02:00:00+00:00",
         "2026-03-29T01:00:00+00:00",
     ]
+
+
+BAD_SCHEDULES = [
+    {"bad": {**NIGHTLY, "timezone": None}},
+    {"bad": {"kind": "test.echo", "every": "abc"}},
+    {"bad": "oops"},
+    {"bad": {"kind": "test.nokind", "every": 60}},
+    {"bad": {"kind": "test.echo", "every": 60, "lane": "nolane"}},
+    {"bad": {"kind": "test.echo", "every": 60, "args": {"x": float("nan")}}},
+    {"b" * 201: {"kind": "test.echo", "every": 60}},
+]
+
+
+@pytest.mark.parametrize("declared_schedules", BAD_SCHEDULES)
+@pytest.mark.parametrize("command", [("runscheduler", "--once")])
+def test_a_scheduler_refuses_to_start_with_a_schedule_that_could_never_run(
+    declared_schedules, command
+):
+    """Exit 2 with one line naming the schedule, before any row is synced: not a
+    traceback nor a database error."""
+    enqueueing.enqueue("test.echo")  # a worker that started would run it
+    with (
+        override_settings(HOLDFAST_SCHEDULES={**declared_schedules, "ok": SWEEP}),
+        pytest.raises(CommandError) as raised,
+    ):
+        call_command(*command, stdout=StringIO(), stderr=StringIO())
+    message = str(raised.value)
+    assert raised.value.returncode == 2 and "\n" not in message
+    assert message.startswith("schedule 'b"), message
+    assert Schedule.objects.count() == 0
+    assert Job.objects.get().state == State.QUEUED
+
+
+def test_the_longest_schedule_name_enqueues_its_slots():
+    """On SQLite a 201-character name used to be stored, then every slot failed: its
+    unique key was over 255 characters. 200 (the column) always fits, microseconds too."""
+    name = "n" * schedules.MAX_NAME_LENGTH
+    with override_settings(HOLDFAST_SCHEDULES={name: {"kind": "test.echo", "every": 0.5}}):
+        scheduler.sync(now=at(2026, 11, 30, 10, 0, 0, 123456))
+        [job_id] = scheduler.tick(at(2026, 11, 30, 10, 0, 1))
+    key = Job.objects.get(pk=job_id).unique_key
+    assert key == f"schedule:{name}:2026-11-30T10:00:00.623456+00:00" and len(key) == 242

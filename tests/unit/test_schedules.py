@@ -6,7 +6,16 @@ from itertools import islice, pairwise
 import pytest
 from django.core.exceptions import ImproperlyConfigured
 
-from jobs.schedules import Declared, catch_up, next_slot, slots_after
+from jobs.enqueueing import UNIQUE_KEY_LENGTH
+from jobs.schedules import (
+    LONGEST_SLOT,
+    MAX_NAME_LENGTH,
+    Declared,
+    catch_up,
+    next_slot,
+    slot_key,
+    slots_after,
+)
 
 
 def utc(*args: int) -> datetime:
@@ -64,8 +73,44 @@ def test_sub_second_intervals_catch_up_exactly():
         {"every": 0},
         {"cron": "0 3 * * *", "timezone": "Mars/Olympus"},
         {"cron": "0 3 * * *", "catch_up": "sometimes"},
+        {"cron": "0 3 * * *", "timezone": None},  # was a TypeError traceback
+        {"cron": "0 3 * * *", "timezone": ""},
+        {"cron": "0 3 * * *", "timezone": "Europe/" + "x" * 60},  # the row's 64 characters
+        {"every": "abc"},
+        {"every": "60"},
+        {"every": True},
+        {"cron": 5},
+        {"cron": "0 3 * * *", "lane": ""},
+        {"cron": "0 3 * * *", "lane": 7},
+        {"cron": "0 3 * * *", "args": {"x": float("nan")}},  # was a database error
+        {"cron": "0 3 * * *", "args": {"x": object()}},
+        {"cron": "0 3 * * *", "args": {"x": "\x00"}},
+        {"cron": "0 3 * * *", "args": ["x"]},
     ],
 )
 def test_bad_declarations_are_refused_with_the_schedule_named(options):
     with pytest.raises(ImproperlyConfigured, match="nightly"):
         Declared("nightly", "demo.greet", **options)
+
+
+@pytest.mark.parametrize("name", ["", "n" * (MAX_NAME_LENGTH + 1), 7])
+def test_a_name_must_leave_room_for_the_slot_in_its_jobs_unique_key(name):
+    with pytest.raises(ImproperlyConfigured, match="a schedule name is 1 to 200 characters"):
+        Declared(name, "demo.greet", every=60)
+
+
+@pytest.mark.parametrize("kind", ["", "k" * 201, None])
+def test_a_kind_must_fit_the_row(kind):
+    with pytest.raises(ImproperlyConfigured, match="'kind' must be a job kind"):
+        Declared("nightly", kind, every=60)
+
+
+def test_the_longest_name_and_latest_slot_still_make_a_valid_unique_key():
+    latest = datetime(9999, 12, 31, 23, 59, 59, 999999, tzinfo=UTC)
+    assert slot_key("n" * MAX_NAME_LENGTH, latest) == f"schedule:{'n' * 200}:{LONGEST_SLOT}"
+    assert len(slot_key("n" * MAX_NAME_LENGTH, latest)) <= UNIQUE_KEY_LENGTH
+    assert slot_key("nightly", utc(2026, 12, 1, 2)) == "schedule:nightly:2026-12-01T02:00:00+00:00"
+
+
+def test_an_integer_interval_is_kept_as_seconds():
+    assert Declared("sweep", "demo.greet", every=300).every == 300.0

@@ -5,7 +5,7 @@ from typing import Any
 
 from django.core.management.base import CommandParser
 
-from jobs import scheduler
+from jobs import scheduler, schedules
 from jobs.log import get_logger, json_logs
 from jobs.management.base import JobsCommand
 
@@ -20,6 +20,7 @@ class Command(JobsCommand):
         parser.add_argument("--once", action="store_true", help="one pass, then exit 0")
 
     def handle(self, *args: Any, **options: Any) -> None:
+        schedules.check_runnable()  # exit 2 naming a schedule that could never run
         if options["as_json"]:
             json_logs()
         if options["once"]:

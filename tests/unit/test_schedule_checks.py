@@ -1,0 +1,83 @@
+"""A schedule that could never run is refused before any slot: by ``manage.py check``
+(holdfast.E002, one error per schedule, naming it) and at a scheduler's start
+(``schedules.check_runnable``). Neither reads a row: checks also run before ``migrate``,
+and this layer has no database at all."""
+
+from __future__ import annotations
+
+import pytest
+from django.core.exceptions import ImproperlyConfigured
+from django.test import override_settings
+
+from jobs import schedules
+from jobs.checks import check_lanes_and_schedules
+
+GOOD = {"kind": "test.echo", "every": 60}
+LANES = {"default": {}, "media": {"kinds": ["photo.*"]}}
+
+
+def schedule_errors() -> list[str]:
+    return [error.msg for error in check_lanes_and_schedules() if error.id == "holdfast.E002"]
+
+
+@pytest.mark.parametrize(
+    ("options", "says"),
+    [
+        ({**GOOD, "timezone": None}, "'timezone' must be a timezone name"),
+        ({"kind": "test.echo", "every": "abc"}, "'every' must be a number of seconds"),
+        ("oops", "its options must be a dict, not str"),
+        ({**GOOD, "evry": 60}, "unknown: evry"),
+        ({"every": 60}, "needs 'kind'"),
+        ({**GOOD, "kind": "test.nokind"}, "no handler is registered for job kind 'test.nokind'"),
+        # A Django task's path is not a kind: enqueue by kind knows only handlers.
+        ({**GOOD, "kind": "tests.testapp.tasks.add"}, "no handler is registered"),
+        ({**GOOD, "lane": "nolane"}, "unknown lane 'nolane'"),
+        ({**GOOD, "lane": "media"}, "lane 'media' does not accept job kind 'test.echo'"),
+        ({**GOOD, "args": {"x": float("nan")}}, "not JSON-serializable"),
+    ],
+)
+def test_a_schedule_that_could_never_run_is_an_error_naming_it(options, says):
+    with override_settings(HOLDFAST_LANES=LANES, HOLDFAST_SCHEDULES={"bad": options, "ok": GOOD}):
+        [error] = schedule_errors()
+        assert error.startswith("schedule 'bad': ") and says in error, error
+        with pytest.raises(ImproperlyConfigured) as raised:
+            schedules.check_runnable()
+        assert str(raised.value) == error
+
+
+@override_settings(
+    HOLDFAST_SCHEDULES={"n" * 201: GOOD, "ghost": {**GOOD, "kind": "test.nokind"}, "ok": GOOD}
+)
+def test_every_bad_schedule_is_reported_and_the_start_names_the_first():
+    errors = schedule_errors()
+    assert len(errors) == 2, errors
+    assert "a schedule name is 1 to 200 characters" in errors[0] and len(errors[0]) < 200
+    with pytest.raises(ImproperlyConfigured, match=r"\(and 1 more: manage.py check lists them\)"):
+        schedules.check_runnable()
+
+
+@override_settings(HOLDFAST_SCHEDULES=[GOOD])
+def test_the_setting_itself_must_be_a_dict():
+    assert schedule_errors() == ["HOLDFAST_SCHEDULES must be a dict of name to options, not list"]
+
+
+@override_settings(
+    HOLDFAST_LANES={"default": {"max_queued": "10"}}, HOLDFAST_SCHEDULES={"ok": GOOD}
+)
+def test_broken_lanes_are_one_lane_error_not_one_per_schedule_and_stop_the_start():
+    errors = check_lanes_and_schedules()
+    assert [error.id for error in errors] == ["holdfast.E001"]
+    with pytest.raises(ValueError, match="lane 'default': max_queued"):
+        schedules.check_runnable()
+
+
+@override_settings(
+    HOLDFAST_LANES=LANES,
+    HOLDFAST_SCHEDULES={
+        "nightly": {"kind": "test.echo", "cron": "0 3 * * *", "timezone": "Europe/Berlin"},
+        "photos": {"kind": "test.echo", "every": 300, "lane": "default", "args": {"a": [1]}},
+    },
+)
+def test_good_schedules_pass():
+    assert schedule_errors() == []
+    schedules.check_runnable()
