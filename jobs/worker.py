@@ -49,6 +49,7 @@ from typing import Any, TypeVar
 
 import structlog
 from django.conf import settings
+from django.core.exceptions import ImproperlyConfigured
 from django.db import (
     DatabaseError,
     InterfaceError,
@@ -514,6 +515,13 @@ class WorkerProcess:
                 state.schedule_backoff,
                 min(state.schedule_backoff * 2, MAX_DB_BACKOFF),
             )
+        except ImproperlyConfigured as exc:
+            # A schedule declared after start (a provider's row) that cannot be synced: one
+            # line, less and less often, while the jobs keep running; the start refused
+            # the declarations it could see (``schedules.check_runnable``).
+            sleep = state.schedule_backoff
+            state.schedule_backoff = min(sleep * 2, MAX_DB_BACKOFF)
+            log.error("scheduler_misconfigured", error=_one_line(exc), retry_in=sleep)
         except Exception:
             log.exception("background_step_failed", during="scheduler")
             sleep = state.schedule_backoff

@@ -211,12 +211,14 @@ BAD_SCHEDULES = [
 
 
 @pytest.mark.parametrize("declared_schedules", BAD_SCHEDULES)
-@pytest.mark.parametrize("command", [("runscheduler", "--once")])
+@pytest.mark.parametrize(
+    "command", [("runscheduler", "--once"), ("runworker", "--with-scheduler", "--burst")]
+)
 def test_a_scheduler_refuses_to_start_with_a_schedule_that_could_never_run(
     declared_schedules, command
 ):
     """Exit 2 with one line naming the schedule, before any row is synced: not a
-    traceback nor a database error."""
+    traceback, a database error, nor a worker failing its scheduler pass twice a second."""
     enqueueing.enqueue("test.echo")  # a worker that started would run it
     with (
         override_settings(HOLDFAST_SCHEDULES={**declared_schedules, "ok": SWEEP}),

@@ -91,3 +91,16 @@ def test_a_worker_with_the_scheduler_runs_recurring_jobs_itself(workers: WorkerP
     assert worker.wait_exit(20) == 0, worker.describe()
     job = Job.objects.filter(kind="test.echo", state="succeeded").first()
     assert job is not None and job.args == {"from": "cron"}
+
+
+@pytest.mark.parametrize("command", [("runscheduler",), ("runworker", "--with-scheduler")])
+def test_a_scheduler_with_a_bad_schedule_exits_2_with_one_line(
+    workers: WorkerPool, command: tuple[str, ...]
+) -> None:
+    """Not a worker that keeps running jobs and logs a scheduler traceback twice a second."""
+    env = declare({"broken": {"kind": "test.echo", "cron": "not a cron"}})
+    result = workers.command(*command, env=env)
+    assert result.returncode == 2, result.describe()
+    [line] = result.stderr.strip().splitlines()
+    assert "schedule 'broken': bad cron 'not a cron'" in line, result.describe()
+    assert Schedule.objects.count() == 0 and result.stdout == ""

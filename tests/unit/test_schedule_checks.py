@@ -8,9 +8,11 @@ from __future__ import annotations
 import pytest
 from django.core.exceptions import ImproperlyConfigured
 from django.test import override_settings
+from structlog.testing import capture_logs
 
-from jobs import schedules
+from jobs import scheduler, schedules
 from jobs.checks import check_lanes_and_schedules
+from jobs.worker import WorkerProcess, _KeeperState
 
 GOOD = {"kind": "test.echo", "every": 60}
 LANES = {"default": {}, "media": {"kinds": ["photo.*"]}}
@@ -81,3 +83,22 @@ def test_broken_lanes_are_one_lane_error_not_one_per_schedule_and_stop_the_start
 def test_good_schedules_pass():
     assert schedule_errors() == []
     schedules.check_runnable()
+
+
+def test_a_schedule_that_fails_to_sync_after_the_start_is_one_line_with_backoff(monkeypatch):
+    """``runworker --with-scheduler``: a provider's schedule (a row, not checked at the
+    start) that cannot be synced is logged without a traceback, less and less often."""
+
+    def refuse(now: object = None) -> None:
+        raise ImproperlyConfigured("schedule 'discover:x': bad cron 'nope': ...")
+
+    monkeypatch.setattr(scheduler, "sync", refuse)
+    worker = WorkerProcess(worker_id="w", with_scheduler=True)
+    worker._scheduler = scheduler.SchedulerLoop()
+    state = _KeeperState()
+    with capture_logs() as logs:
+        for _ in range(3):
+            worker._schedule_pass(state)
+    assert [log["event"] for log in logs] == ["scheduler_misconfigured"] * 3
+    assert [log["retry_in"] for log in logs] == [0.5, 1.0, 2.0]
+    assert "discover:x" in logs[0]["error"] and "exc_info" not in logs[0]

@@ -3,6 +3,7 @@ from typing import Any
 from django.core.management.base import CommandParser
 
 from jobs import lanes as lane_config
+from jobs import schedules
 from jobs.log import json_logs
 from jobs.management.base import JobsCommand, bad_input
 from jobs.models import Worker
@@ -43,6 +44,10 @@ class Command(JobsCommand):
             len(worker_id) > MAX_WORKER_ID or not worker_id.isprintable()
         ):
             raise bad_input(f"--worker-id must be at most {MAX_WORKER_ID} printable characters")
+        if options["with_scheduler"]:
+            # As runscheduler: a schedule that could never run is refused here, not a
+            # failing scheduler pass (with its traceback) twice a second while jobs run.
+            schedules.check_runnable()
         if options["as_json"]:
             json_logs()
         WorkerProcess(
