@@ -1,4 +1,4 @@
-"""System checks: a misconfigured lane or schedule is reported by ``manage.py check``."""
+"""System checks: ``manage.py check`` reports a misconfigured lane, schedule or lease."""
 
 from __future__ import annotations
 
@@ -27,3 +27,19 @@ def check_lanes_and_schedules(app_configs: Any = None, **kwargs: Any) -> list[ch
         for problem in schedules.problems(providers=False)
     )
     return errors
+
+
+@checks.register()
+def check_default_lease(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckMessage]:
+    """``HOLDFAST_LEASE_SECONDS`` within the bounds of every job's lease (E003): set in a
+    settings module rather than the environment, it is not checked on reading, and each
+    job that takes it would be refused by ``enqueue()`` or overflow the claim."""
+    from django.conf import settings
+
+    from .options import lease_seconds_problem
+
+    problem = lease_seconds_problem(settings.HOLDFAST_LEASE_SECONDS)
+    if problem is None:
+        return []
+    message = f"HOLDFAST_LEASE_SECONDS: {problem.removeprefix('lease_seconds ')}"
+    return [checks.Error(message, obj="HOLDFAST_LEASE_SECONDS", id="holdfast.E003")]

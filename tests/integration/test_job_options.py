@@ -8,10 +8,14 @@ the same failure)."""
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
 from datetime import datetime, timedelta
 from typing import Any
 
 import pytest
+from django.core import checks
 from django.db import connection
 from django.test import override_settings
 from structlog.testing import capture_logs
@@ -21,6 +25,7 @@ from jobs.context import JobContext
 from jobs.models import Job, State
 from jobs.options import MAX_LEASE_SECONDS
 from jobs.tasks_backend import _options_problems
+from tests.conftest import REPO
 
 pytestmark = pytest.mark.django_db
 
@@ -171,3 +176,24 @@ def test_the_default_lease_applies_when_none_is_given():
     with connection.cursor() as cursor:
         cursor.execute("SELECT lease_seconds FROM jobs_job WHERE id = %s", [job.pk])
         assert cursor.fetchone()[0] == 30
+
+
+@pytest.mark.parametrize("lease", [0, 1e12, math.nan])
+def test_the_check_refuses_a_default_lease_outside_the_bounds(lease):
+    with override_settings(HOLDFAST_LEASE_SECONDS=lease):
+        found = [m for m in checks.run_checks() if m.id == "holdfast.E003"]
+    assert len(found) == 1 and "at most 86400" in found[0].msg
+
+
+def test_the_settings_refuse_a_default_lease_outside_the_bounds_from_the_environment():
+    done = subprocess.run(
+        [sys.executable, "manage.py", "check"],
+        cwd=REPO,
+        env={**os.environ, "HOLDFAST_LEASE_SECONDS": "1e12"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode != 0
+    assert "HOLDFAST_LEASE_SECONDS must be at most 86400" in done.stderr
+    assert "Traceback" not in done.stderr
