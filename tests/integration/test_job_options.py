@@ -7,11 +7,13 @@ the same failure)."""
 
 from __future__ import annotations
 
+import importlib
 import math
 import os
 import subprocess
 import sys
 from datetime import datetime, timedelta
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -194,3 +196,26 @@ def test_the_settings_refuse_a_default_lease_outside_the_bounds_from_the_environ
     assert done.returncode != 0
     assert "HOLDFAST_LEASE_SECONDS must be at most 86400" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_the_migration_gives_a_stored_poison_lease_a_day():
+    """Jobs enqueued before the bound (``lease_seconds=1e12``): their lease becomes a day,
+    and a running one's expiry (PostgreSQL had committed the year 33715) at most a day."""
+    from django.apps import apps
+    from django.db import connection as db
+    from django.utils import timezone
+
+    bound = importlib.import_module("jobs.migrations.0013_lease_bound")
+    queued = enqueue("test.echo")
+    running = enqueue("test.echo")
+    assert queued is not None and running is not None
+    Job.objects.filter(pk=queued.pk).update(lease_seconds=1e12)
+    far = timezone.now() + timedelta(days=3650)
+    Job.objects.filter(pk=running.pk).update(
+        lease_seconds=1e12, state=State.RUNNING, lease_expires_at=far
+    )
+    bound.bound_leases(apps, SimpleNamespace(connection=db))  # it reads only the alias
+    queued.refresh_from_db()
+    running.refresh_from_db()
+    assert queued.lease_seconds == running.lease_seconds == MAX_LEASE_SECONDS
+    assert running.lease_expires_at <= timezone.now() + timedelta(days=1)
