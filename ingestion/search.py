@@ -120,6 +120,7 @@ class _HtmlText(HTMLParser):
         super().__init__(convert_charrefs=True)
         self.title: list[str] = []
         self.text: list[str] = []
+        self.title_chars = 0
         self.chars = 0
         self.tags = 0
         self.unwanted = 0  # depth inside script, style, noscript, template
@@ -143,8 +144,9 @@ class _HtmlText(HTMLParser):
         if self.unwanted:
             return
         if self.in_title:
-            if sum(map(len, self.title)) < MAX_TEXT_CHARS:
+            if self.title_chars < MAX_TEXT_CHARS:  # a count: summing each time is quadratic
                 self.title.append(data)
+                self.title_chars += len(data)
             return
         self.text.append(data)
         self.chars += len(data)

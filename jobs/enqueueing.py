@@ -31,6 +31,7 @@ from .exceptions import (
 )
 from .log import get_logger
 from .models import ACTIVE_STATES, Job, State
+from .options import lane_problem
 from .registry import HandlerSpec, get_handler
 
 log = get_logger("jobs.enqueueing")
@@ -96,8 +97,8 @@ def enqueue_many(
     count, so bulk producers (discovery, refreshers) need no loop of single enqueues.
     """
     spec = get_handler(kind)
-    if lane is not None and (not isinstance(lane, str) or not lane):
-        raise InvalidJob(f"lane must be a lane's name, not {lane!r}")
+    if lane is not None and (problem := lane_problem(lane)):
+        raise InvalidJob(problem)
     args_list = list(args_list)
     args_text = _args_array(args_list)
     if unique_key is not None and unique_keys is not None:

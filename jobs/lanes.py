@@ -14,6 +14,7 @@ from typing import Any
 from django.conf import settings
 
 from .exceptions import LaneRefused
+from .options import MAX_LANE_NAME  # the job's lane column; it bounds lane-slot locks too
 
 
 @dataclass(frozen=True)
@@ -31,8 +32,6 @@ class Lane:
 # Every option a lane takes: anything else is a typo that would silently change nothing.
 LANE_OPTIONS = ("kinds", "max_queued", "max_running", "on_full")
 ON_FULL = ("reject", "drop")
-# A job's lane column, which also bounds the lane-slot lock names (``sql.LANE_SLOT``).
-MAX_LANE_NAME = 100
 # PostgreSQL's claim passes the limits as ``int[]``: a larger max_running fails every claim.
 MAX_RUNNING_LIMIT = 2**31 - 1
 

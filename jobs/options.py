@@ -21,6 +21,8 @@ MAX_ATTEMPTS_LIMIT = 1_000_000
 # job needs no long lease; a long lease only delays the reclaim after a crash (I3).
 MAX_LEASE_SECONDS = 86_400.0
 MAX_DELAY = timedelta(days=365 * 100)
+MAX_EVERY = 100 * 365 * 86400.0  # seconds: an interval schedule runs at least once a century
+MAX_LANE_NAME = 100  # the job row's lane column (which also bounds the lane-slot lock names)
 
 
 def is_number(value: Any) -> bool:
@@ -29,7 +31,11 @@ def is_number(value: Any) -> bool:
 
 
 def max_attempts_problem(value: Any) -> str | None:
-    if not is_number(value) or not isinstance(value, int) or not 1 <= value <= MAX_ATTEMPTS_LIMIT:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int)
+        or not 1 <= value <= MAX_ATTEMPTS_LIMIT
+    ):
         return f"max_attempts must be an integer from 1 to {MAX_ATTEMPTS_LIMIT}, not {value!r}"
     return None
 
@@ -40,6 +46,21 @@ def lease_seconds_problem(value: Any) -> str | None:
             f"lease_seconds must be a number of seconds above 0 and at most "
             f"{MAX_LEASE_SECONDS:g} (a day), not {value!r}"
         )
+    return None
+
+
+def lane_problem(value: Any) -> str | None:
+    """A lane given by name (``enqueue(lane=…)``, ``@handler(lane=…)``); whether it is
+    declared is ``jobs.lanes.resolve``'s to say, at enqueue."""
+    if not isinstance(value, str) or not 0 < len(value) <= MAX_LANE_NAME:
+        return f"lane must be a lane's name of 1 to {MAX_LANE_NAME} characters, not {value!r}"
+    return None
+
+
+def every_problem(value: Any, name: str = "every") -> str | None:
+    """An interval schedule's seconds: above 0, at most ``MAX_EVERY``."""
+    if not is_number(value) or not 0 < value <= MAX_EVERY:  # also refuses NaN
+        return f"{name} must be a number of seconds from 0 to {MAX_EVERY:g}, not {value!r}"
     return None
 
 

@@ -96,17 +96,19 @@ def handler(
 def _options_problem(
     max_attempts: Any, lease_seconds: Any, backoff: Any, lane: Any, locks: Any, schedule: Any
 ) -> str | None:
-    if lane is not None and (not isinstance(lane, str) or not lane):
-        return f"lane must be a lane's name, not {lane!r}"
     if locks is not None and not callable(locks):
         return f"locks must be a function of the job's args returning lock names, not {locks!r}"
-    every = schedule is not None and not isinstance(schedule, str)
-    if every and (not options.is_number(schedule) or not schedule > 0):  # also refuses NaN
-        return f"schedule must be a cron expression or seconds above 0, not {schedule!r}"
     return (
-        options.max_attempts_problem(max_attempts)
+        (None if lane is None else options.lane_problem(lane))
+        or options.max_attempts_problem(max_attempts)
         or (None if lease_seconds is None else options.lease_seconds_problem(lease_seconds))
         or options.backoff_problem(backoff)
+        # A cron expression is checked where every schedule is (jobs.schedules.Declared).
+        or (
+            None
+            if schedule is None or isinstance(schedule, str)
+            else options.every_problem(schedule, "schedule (when not a cron expression)")
+        )
     )
 
 

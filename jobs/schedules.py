@@ -24,6 +24,7 @@ from . import lanes as lane_config
 from .enqueueing import UNIQUE_KEY_LENGTH
 from .exceptions import InvalidJob, LaneRefused, UnknownKind
 from .models import CatchUp, Schedule
+from .options import every_problem
 from .registry import all_handlers, get_handler
 
 
@@ -34,7 +35,6 @@ def _column_length(model: Any, name: str) -> int:
 
 
 MAX_CATCH_UP_STEPS = 100_000  # slots walked when finding the latest missed one
-MAX_EVERY = 100 * 365 * 86400.0  # seconds: an interval schedule runs at least once a century
 SCHEDULE_OPTIONS = ("kind", "cron", "every", "args", "lane", "timezone", "catch_up")
 # A slot's job carries the unique key ``schedule:<name>:<slot in UTC>`` (``slot_key``); with
 # the longest slot text it must fit enqueue's bound, and the name the schedule row's column.
@@ -103,18 +103,10 @@ class Declared:
             )
         if bool(self.cron) == (self.every is not None):
             raise ImproperlyConfigured(f"{where}: give exactly one of 'cron' and 'every'")
-        every = self.every
-        if every is not None and (
-            isinstance(every, bool)
-            or not isinstance(every, int | float)
-            or not 0 < every <= MAX_EVERY  # also refuses NaN
-        ):
-            raise ImproperlyConfigured(
-                f"{where}: 'every' must be a number of seconds from 0 to {MAX_EVERY:g}, "
-                f"not {every!r}"
-            )
-        if every is not None:
-            object.__setattr__(self, "every", float(every))  # the row's column is a float
+        if self.every is not None:
+            if problem := every_problem(self.every, "'every'"):
+                raise ImproperlyConfigured(f"{where}: {problem}")
+            object.__setattr__(self, "every", float(self.every))  # the row's column is a float
         if not _text(self.timezone, MAX_TIMEZONE_LENGTH):
             raise ImproperlyConfigured(
                 f"{where}: 'timezone' must be a timezone name such as 'Europe/Berlin' "

@@ -149,7 +149,9 @@ def test_a_backoff_of_nan_falls_back_to_the_default_policy(run_worker):
     job = enqueue("opt.nan_backoff")
     run_worker()
     job.refresh_from_db()
-    assert job.state == State.QUEUED and job.run_at is not None
+    assert job.state == State.QUEUED and job.attempts == 1
+    # The default policy's first delay: 5 s less up to a quarter of jitter.
+    assert 1 <= (job.run_at - datetime.now(job.run_at.tzinfo)).total_seconds() <= 6
 
 
 @pytest.mark.parametrize("kind", ["opt.nan_result", "opt.inf_complete"])
