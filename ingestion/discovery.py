@@ -46,7 +46,7 @@ from jobs import engine, enqueueing
 from jobs.context import JobContext
 from jobs.exceptions import HoldfastError, PermanentError, StateConflict
 from jobs.log import get_logger
-from jobs.models import Job, State
+from jobs.models import ACTIVE, Job
 
 from . import http
 from .listings import Item, Listing, ListingError, normalize_lastmod, parse_listing
@@ -91,9 +91,7 @@ run_completed: list[Callable[[DiscoveryRun], None]] = []
 
 def active_jobs(source_name: str) -> QuerySet[Job]:
     """Discovery jobs of this source that are queued or running."""
-    return Job.objects.filter(
-        kind=DISCOVER_KIND, state__in=[State.QUEUED, State.RUNNING], args__source=source_name
-    ).order_by("pk")
+    return Job.objects.filter(ACTIVE, kind=DISCOVER_KIND, args__source=source_name).order_by("pk")
 
 
 def start_discovery(source: Source) -> tuple[Job | None, str]:

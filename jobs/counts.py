@@ -25,17 +25,14 @@ from django.db import transaction
 from django.db.models import Count, QuerySet, Sum
 
 from . import sql
-from .models import ACTIVE_STATES, FINISHED_STATES, Job, JobCount, OutcomeCount
+from .models import ACTIVE, FINISHED_STATES, Job, JobCount, OutcomeCount
 
 
 def active() -> QuerySet[Job, tuple[str, str, int]]:
     """(lane, state, count) of queued and running jobs, through the (state, lane, kind)
     index."""
     return (
-        Job.objects.filter(state__in=ACTIVE_STATES)
-        .values_list("lane", "state")
-        .annotate(n=Count("id"))
-        .order_by()
+        Job.objects.filter(ACTIVE).values_list("lane", "state").annotate(n=Count("id")).order_by()
     )
 
 

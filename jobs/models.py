@@ -39,6 +39,22 @@ class State(models.TextChoices):
 
 ACTIVE_STATES = (State.QUEUED, State.RUNNING)
 FINISHED_STATES = (State.SUCCEEDED, State.DEAD, State.CANCELLED)
+# Every state but succeeded: the rows ``job_state_idx`` holds, as equalities joined by OR
+# (SQLite uses a partial index only for a query that repeats one of its OR's terms, or
+# all of a leading run of them: ``ACTIVE`` below, never ``state IN (…)``).
+INDEXED_STATES = (State.QUEUED, State.RUNNING, State.DEAD, State.CANCELLED)
+
+
+def in_states(*states: str) -> Q:
+    """``state`` is one of ``states``, as ``state = … OR state = …``: the form in which
+    SQLite finds the state index for it (``state IN (…)`` would scan the table)."""
+    query = Q()
+    for state in states:
+        query |= Q(state=state)
+    return query
+
+
+ACTIVE = in_states(*ACTIVE_STATES)  # queued or running, through job_state_idx
 
 
 class Outcome(models.TextChoices):
@@ -106,10 +122,19 @@ class Job(models.Model):
                 name="job_next_due_idx",
                 condition=Q(state="queued", blocked_by__isnull=True),
             ),
-            # Also how reclaim finds the running rows (few: one per busy worker) to test
-            # their expiry. No index holds lease_expires_at or heartbeat_at, so a heartbeat
-            # is a HOT update (migration 0007_i16 leaves room on each page for it).
-            models.Index(fields=["state", "lane", "kind"], name="job_state_idx"),
+            # Jobs by state, for the engine (reclaim reads the running rows, one per busy
+            # worker; a lane's running count; the queued counts) and operators (dead jobs
+            # by lane and kind). Not the succeeded ones: that history only grows (ten
+            # million rows is ten million entries nothing reads: their counts are
+            # jobs_outcomecount's), and a settled job's row then enters no state index at
+            # all (migration 0014_i16_state_index). No index holds lease_expires_at or
+            # heartbeat_at, so a heartbeat is a HOT update (migration 0007_i16 leaves room
+            # on each page for it).
+            models.Index(
+                fields=["state", "lane", "kind"],
+                name="job_state_idx",
+                condition=in_states(*INDEXED_STATES),
+            ),
             # Pruning by age reads only finished rows.
             models.Index(
                 fields=["finished_at"],

@@ -70,3 +70,49 @@ def validity(name: str) -> tuple[bool, bool] | None:
         )
         row = cursor.fetchone()
     return None if row is None else (row[0], row[1])
+
+
+def state_index_condition() -> str | None:
+    """``job_state_idx``'s condition (None: it indexes every job), and no leftover of a
+    redefinition under its temporary name."""
+    assert "job_state_idx_next" not in job_indexes()
+    with connection.cursor() as cursor:
+        if connection.vendor == "sqlite":
+            cursor.execute("SELECT sql FROM sqlite_master WHERE name = 'job_state_idx'")
+            (definition,) = cursor.fetchone()
+            return definition.partition(" WHERE ")[2] or None
+        cursor.execute(
+            "SELECT pg_get_expr(indpred, indrelid) FROM pg_index"
+            " WHERE indexrelid = 'job_state_idx'::regclass"
+        )
+        return cursor.fetchone()[0]
+
+
+def test_the_state_index_is_redefined_back_and_forth(migrated_forward: None) -> None:
+    enqueueing.enqueue("test.noop", {})
+    assert "succeeded" not in state_index_condition()
+    call_command("migrate", "jobs", "0013_lease_bound", verbosity=0)
+    assert state_index_condition() is None
+    call_command("migrate", "jobs", verbosity=0)
+    assert "'dead'" in state_index_condition()
+
+
+@pytest.mark.postgres
+@pytest.mark.parametrize("old_index_left", [True, False])
+def test_a_redefinition_that_failed_half_way_is_finished_by_running_it_again(
+    migrated_forward: None, old_index_left: bool
+) -> None:
+    """What a killed run of 0014 leaves: the new index built under its temporary name, the
+    old one dropped or not yet; migrating again drops the old and renames the new."""
+    call_command("migrate", "jobs", "0013_lease_bound", verbosity=0)
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "CREATE INDEX CONCURRENTLY job_state_idx_next ON jobs_job (state, lane, kind)"
+            " WHERE state = 'queued' OR state = 'running' OR state = 'dead'"
+            " OR state = 'cancelled'"
+        )
+        if not old_index_left:
+            cursor.execute("DROP INDEX CONCURRENTLY job_state_idx")
+    call_command("migrate", "jobs", verbosity=0)
+    assert "'cancelled'" in state_index_condition()
+    assert validity("job_state_idx") == (True, False)
