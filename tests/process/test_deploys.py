@@ -134,15 +134,19 @@ def job_indexes() -> dict[str, bool]:
 def test_index_migrations_under_three_busy_workers_charge_no_attempt(
     workers: WorkerPool, migrated_forward: None
 ) -> None:
-    """``manage.py migrate`` of the engine's index migration (0011: an index built and
-    one dropped, both CONCURRENTLY), back and forth, while three workers drain a queue.
+    """``manage.py migrate`` of the engine's index migrations (0011: an index built and
+    one dropped, both CONCURRENTLY; 0014: one redefined so), back and forth, while three
+    workers drain a queue.
     A concurrent build waits out every transaction open when it starts: a worker holding
     one across handler code would hold up the deploy for as long as its handler ran."""
-    total = 450
+    total = 600
     ids, procs, describe = busy_fleet(workers, total, "index")
     for target, present, absent in (
         ("0010_i16_one_attempt_counter", "job_due_idx", "job_next_due_idx"),
         ("0011_i16_next_due_index", "job_next_due_idx", "job_due_idx"),
+        # 0014 redefines job_state_idx under its own name, through job_state_idx_next
+        # (0012 and 0013 run no SQL here).
+        ("0014_i16_state_index", "job_state_idx", "job_state_idx_next"),
     ):
         before = succeeded()
         result = workers.command("migrate", "jobs", target, timeout=60)
