@@ -50,6 +50,7 @@ from django.utils.dateparse import parse_datetime
 
 from .log import get_logger
 from .models import ATTEMPT_COUNT_SHARDS, DURATION_BUCKETS, Job
+from .options import MAX_LEASE_SECONDS
 
 log = get_logger("jobs.sql")
 
@@ -128,6 +129,13 @@ def _columns(table: str) -> str:
 LANE_SLOT = "'holdfast:lane:' || {lane} || ':' || {n}"
 LANE_SLOT_PREFIX = "holdfast:"  # reserved: a job's own lock names may not start with it
 MARK_BATCH = 5000  # blocked rows one marking statement marks at most
+
+# A lease as the claim and heartbeats apply it: at most a day. Enqueue never stores more
+# (jobs.options), but a row written around it (SQL by hand, a restore) must not make every
+# claim fail, nor commit an expiry no reclaim reaches. PostgreSQL's LEAST ranks NaN above
+# every number, so NaN is a day too; SQLite keeps no NaN.
+PG_LEASE = f"LEAST(lease_seconds, {MAX_LEASE_SECONDS}) * interval '1 second'"
+SQLITE_LEASE = f"printf('%%+.3f seconds', min(lease_seconds, {MAX_LEASE_SECONDS}))"
 
 # The runnable index's condition, and a row the claim may take: due, of a served kind,
 # its resource locks all free.
@@ -240,7 +248,7 @@ PG_TAKE = f"""claimed AS (
         attempts = job.attempts + 1,
         lease_token = job.lease_token + 1,
         leased_by = %(worker)s::text,
-        lease_expires_at = statement_timestamp() + job.lease_seconds * interval '1 second',
+        lease_expires_at = statement_timestamp() + {PG_LEASE},
         heartbeat_at = statement_timestamp(),
         -- The attempt's start: the clock while the statement runs, after its snapshot, so
         -- no attempt seems to begin before the settle whose freed slot or lock it took had
@@ -579,8 +587,7 @@ UPDATE jobs_job SET
     attempts = attempts + 1,
     lease_token = lease_token + 1,
     leased_by = %(worker)s,
-    lease_expires_at = strftime('%%Y-%%m-%%d %%H:%%M:%%f', 'now',
-                                printf('%%+.3f seconds', lease_seconds)),
+    lease_expires_at = strftime('%%Y-%%m-%%d %%H:%%M:%%f', 'now', {SQLITE_LEASE}),
     heartbeat_at = {SQLITE_NOW},
     started_at = {SQLITE_NOW},
     updated_at = {SQLITE_NOW}
@@ -840,9 +847,9 @@ SET LOCAL statement_timeout TO '{HEARTBEAT_STATEMENT_TIMEOUT_MS}ms';
 
 # A heartbeat writes the job row alone (a HOT update: no index holds what it changes); the
 # attempt's lease row is written when the attempt ends.
-PG_HEARTBEAT = """
+PG_HEARTBEAT = f"""
 UPDATE jobs_job SET
-    lease_expires_at = statement_timestamp() + lease_seconds * interval '1 second',
+    lease_expires_at = statement_timestamp() + {PG_LEASE},
     heartbeat_at = statement_timestamp()
 WHERE id = %(job_id)s AND state = 'running' AND lease_token = %(token)s
 RETURNING cancel_requested
@@ -850,8 +857,7 @@ RETURNING cancel_requested
 
 SQLITE_HEARTBEAT = f"""
 UPDATE jobs_job SET
-    lease_expires_at = strftime('%%Y-%%m-%%d %%H:%%M:%%f', 'now',
-                                printf('%%+.3f seconds', lease_seconds)),
+    lease_expires_at = strftime('%%Y-%%m-%%d %%H:%%M:%%f', 'now', {SQLITE_LEASE}),
     heartbeat_at = {SQLITE_NOW}
 WHERE id = %(job_id)s AND state = 'running' AND lease_token = %(token)s
 RETURNING cancel_requested
@@ -1792,7 +1798,7 @@ def _claimed(row: Sequence[Any]) -> Claimed:
         attempt=row[4],
         max_attempts=row[5],
         lease_token=row[6],
-        lease_seconds=row[7],
+        lease_seconds=row[7] if row[7] <= MAX_LEASE_SECONDS else MAX_LEASE_SECONDS,  # NaN too
         lease_expires_at=_as_datetime(row[8]),
         locks=tuple(locks),
         cancel_requested=bool(row[10]),

@@ -221,3 +221,32 @@ def test_the_migration_gives_a_stored_poison_lease_a_day():
     running.refresh_from_db()
     assert queued.lease_seconds == running.lease_seconds == MAX_LEASE_SECONDS
     assert running.lease_expires_at <= timezone.now() + timedelta(days=1)
+
+
+@pytest.mark.parametrize("stored", [1e12, math.inf, math.nan])
+def test_a_lease_stored_past_the_bound_by_hand_is_claimed_and_renewed_for_a_day(
+    run_worker, stored: float
+):
+    """A job row written around the engine (SQL by hand, a restore) with a lease no
+    enqueue accepts: its claim and heartbeats take a day, as the engine never stores more,
+    instead of failing every claim (SQLite: every worker exited) or committing an expiry
+    no reclaim reaches (PostgreSQL). SQLite keeps no NaN, so it is tested as NULL there."""
+    from django.utils import timezone
+
+    from jobs import engine, sql
+
+    if math.isnan(stored) and connection.vendor == "sqlite":
+        pytest.skip("SQLite stores NaN as NULL, which the column refuses")
+    if math.isinf(stored) and connection.vendor == "sqlite":
+        stored = 1e308  # SQLite's largest finite float: Infinity does not round-trip JSON
+    job = enqueue("test.echo")
+    assert job is not None
+    Job.objects.filter(pk=job.pk).update(lease_seconds=stored)
+    claimed = engine.claim("by-hand", None)
+    assert claimed is not None and claimed.lease_seconds == MAX_LEASE_SECONDS
+    horizon = timezone.now() + timedelta(seconds=MAX_LEASE_SECONDS + 60)
+    assert claimed.lease_expires_at <= horizon
+    assert sql.heartbeat(claimed) is False
+    assert Job.objects.get(pk=job.pk).lease_expires_at <= horizon
+    engine.complete(claimed, None)
+    assert Job.objects.get(pk=job.pk).state == State.SUCCEEDED
