@@ -8,6 +8,7 @@ from io import StringIO
 
 import pytest
 from django.core.management import CommandError, call_command
+from django.db import connection
 from django.utils import timezone
 
 from jobs import engine
@@ -34,6 +35,20 @@ def failure(message: str = "boom", permanent: bool = False) -> engine.Failure:
         context={"job_id": 0},
         permanent=permanent,
     )
+
+
+def index_condition(name: str) -> str | None:
+    """The condition of the index ``name`` of the engine's tables (None: it has none)."""
+    with connection.cursor() as cursor:
+        if connection.vendor == "sqlite":
+            cursor.execute("SELECT sql FROM sqlite_master WHERE name = %s", [name])
+            (definition,) = cursor.fetchone()
+            return definition.partition(" WHERE ")[2] or None
+        cursor.execute(
+            "SELECT pg_get_expr(indpred, indrelid) FROM pg_index WHERE indexrelid = %s::regclass",
+            [name],
+        )
+        return cursor.fetchone()[0]
 
 
 def run(*args: str) -> str:

@@ -11,6 +11,8 @@ from django.db import IntegrityError, connection
 
 from jobs import enqueueing
 
+from .helpers import index_condition
+
 pytestmark = pytest.mark.django_db(transaction=True)
 
 BEFORE_INDEXES = "0005_i15_job_counts"
@@ -76,16 +78,7 @@ def state_index_condition() -> str | None:
     """``job_state_idx``'s condition (None: it indexes every job), and no leftover of a
     redefinition under its temporary name."""
     assert "job_state_idx_next" not in job_indexes()
-    with connection.cursor() as cursor:
-        if connection.vendor == "sqlite":
-            cursor.execute("SELECT sql FROM sqlite_master WHERE name = 'job_state_idx'")
-            (definition,) = cursor.fetchone()
-            return definition.partition(" WHERE ")[2] or None
-        cursor.execute(
-            "SELECT pg_get_expr(indpred, indrelid) FROM pg_index"
-            " WHERE indexrelid = 'job_state_idx'::regclass"
-        )
-        return cursor.fetchone()[0]
+    return index_condition("job_state_idx")
 
 
 def test_the_state_index_is_redefined_back_and_forth(migrated_forward: None) -> None:

@@ -223,25 +223,32 @@ def test_the_migration_gives_a_stored_poison_lease_a_day():
     assert running.lease_expires_at <= timezone.now() + timedelta(days=1)
 
 
+def by_hand_lease(stored: float) -> float:
+    """``stored`` as a lease the database can hold (SQLite keeps neither NaN nor a float
+    JSON cannot write back)."""
+    if connection.vendor == "sqlite":
+        if math.isnan(stored):
+            pytest.skip("SQLite stores NaN as NULL, which the column refuses")
+        if math.isinf(stored):
+            return 1e308  # SQLite's largest finite float
+    return stored
+
+
 @pytest.mark.parametrize("stored", [1e12, math.inf, math.nan])
 def test_a_lease_stored_past_the_bound_by_hand_is_claimed_and_renewed_for_a_day(
-    run_worker, stored: float
+    stored: float,
 ):
     """A job row written around the engine (SQL by hand, a restore) with a lease no
     enqueue accepts: its claim and heartbeats take a day, as the engine never stores more,
-    instead of failing every claim (SQLite: every worker exited) or committing an expiry
-    no reclaim reaches (PostgreSQL). SQLite keeps no NaN, so it is tested as NULL there."""
+    instead of failing every claim (SQLite: a TypeError; PostgreSQL: interval or timestamp
+    out of range) or committing an expiry no reclaim reaches."""
     from django.utils import timezone
 
     from jobs import engine, sql
 
-    if math.isnan(stored) and connection.vendor == "sqlite":
-        pytest.skip("SQLite stores NaN as NULL, which the column refuses")
-    if math.isinf(stored) and connection.vendor == "sqlite":
-        stored = 1e308  # SQLite's largest finite float: Infinity does not round-trip JSON
     job = enqueue("test.echo")
     assert job is not None
-    Job.objects.filter(pk=job.pk).update(lease_seconds=stored)
+    Job.objects.filter(pk=job.pk).update(lease_seconds=by_hand_lease(stored))
     claimed = engine.claim("by-hand", None)
     assert claimed is not None and claimed.lease_seconds == MAX_LEASE_SECONDS
     horizon = timezone.now() + timedelta(seconds=MAX_LEASE_SECONDS + 60)
@@ -250,3 +257,18 @@ def test_a_lease_stored_past_the_bound_by_hand_is_claimed_and_renewed_for_a_day(
     assert Job.objects.get(pk=job.pk).lease_expires_at <= horizon
     engine.complete(claimed, None)
     assert Job.objects.get(pk=job.pk).state == State.SUCCEEDED
+
+
+@pytest.mark.parametrize("stored", [1e12, math.nan])
+def test_one_job_with_such_a_lease_among_good_ones_holds_none_of_them_back(
+    run_worker, stored: float
+):
+    """The poison row first in claim order, good jobs behind it: one worker runs them all
+    and keeps running (before, its first claim failed on every try)."""
+    poison = enqueue("test.echo", priority=5)
+    good = [enqueue("test.echo") for _ in range(3)]
+    assert poison is not None
+    Job.objects.filter(pk=poison.pk).update(lease_seconds=by_hand_lease(stored))
+    assert run_worker() == 4
+    ids = [poison.pk, *(job.pk for job in good if job is not None)]
+    assert set(Job.objects.filter(pk__in=ids).values_list("state", flat=True)) == {State.SUCCEEDED}
