@@ -12,7 +12,8 @@ import functools
 import gc
 import hashlib
 import json
-from collections.abc import Iterable, Iterator, Sequence
+import json.encoder
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -37,6 +38,33 @@ from .registry import HandlerSpec, get_handler
 log = get_logger("jobs.enqueueing")
 
 ARGS_ENCODER = json.JSONEncoder(allow_nan=False)  # strict JSON: no NaN or Infinity
+
+
+def _accepted_args_encoder() -> Callable[[dict[str, Any]], str]:
+    """``ARGS_ENCODER.encode`` for one job's args that ``_args_array`` has already accepted
+    (every job's args of a batch, encoded in one call): the same text, from a C encoder set
+    up once. ``JSONEncoder.encode`` sets one up on every call, about 1.5 µs: at COPY's rate
+    that was a sixth of ``enqueue_many``'s time a job. No circular-reference check: the
+    array's encode made it. Without the C accelerator, ``ARGS_ENCODER.encode`` itself."""
+    make = getattr(json.encoder, "c_make_encoder", None)  # not in typeshed's stub
+    if make is None:
+        return ARGS_ENCODER.encode
+    encoder = make(
+        None,  # markers: no cycle check (done)
+        ARGS_ENCODER.default,
+        json.encoder.encode_basestring_ascii,  # ensure_ascii, as ARGS_ENCODER
+        None,  # indent
+        ARGS_ENCODER.key_separator,
+        ARGS_ENCODER.item_separator,
+        ARGS_ENCODER.sort_keys,
+        ARGS_ENCODER.skipkeys,
+        ARGS_ENCODER.allow_nan,
+    )
+    join = "".join
+    return lambda args: join(encoder(args, 0))
+
+
+encode_accepted_args = _accepted_args_encoder()
 UNIQUE_KEY_LENGTH = 255
 LOCK_NAME_LENGTH = 255
 KEYS_PER_QUERY = 1000  # keeps ``IN (…)`` well under SQLite's bound-parameter limit
@@ -241,7 +269,7 @@ def _insert_new(
     else:
         with transaction.atomic():
             ids, job_run_at, created_at = sql.sqlite_insert_jobs(
-                common, [_args_json(args) for args in args_list], locks, delay_seconds, run_at
+                common, list(map(encode_accepted_args, args_list)), locks, delay_seconds, run_at
             )
             if _due_now(delay, run_at):
                 _notify(common["lane"])  # this process's idle workers, after commit
@@ -266,7 +294,7 @@ def _copy_new(
     ids, job_run_at, created_at = sql.draw_job_ids(
         len(args_list), delay_seconds, run_at, channels, common["lane"]
     )
-    encode = ARGS_ENCODER.encode
+    encode = encode_accepted_args
     size = sql.COPY_CHUNK
     with sql.copy_jobs(common, job_run_at, created_at) as write:
         for start in range(0, len(args_list), size):
