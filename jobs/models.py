@@ -102,7 +102,8 @@ class Job(models.Model):
     class Meta:
         indexes = [
             # Claim reads only runnable rows, however many finished (or blocked) ones the
-            # table holds: lane by lane, priority by priority, in run_at order.
+            # table holds: lane by lane, priority by priority, in run_at order. An idle
+            # worker's "when is the next job due?" walks it the same way (sql.next_due_in).
             models.Index(
                 fields=["lane", "-priority", "run_at", "id"],
                 name="job_runnable_idx",
@@ -113,14 +114,6 @@ class Job(models.Model):
                 fields=["blocked_by", "-priority", "run_at", "id"],
                 name="job_blocked_idx",
                 condition=Q(state="queued", blocked_by__isnull=False),
-            ),
-            # An idle worker's "when is the next job due?" (jobs.worker): a short range scan.
-            # Not implied by a bare ``state = 'queued'`` guard (migration 0011_i16), so no
-            # update of one queued job is ever planned through it.
-            models.Index(
-                fields=["run_at"],
-                name="job_next_due_idx",
-                condition=Q(state="queued", blocked_by__isnull=True),
             ),
             # Jobs by state, for the engine (reclaim reads the running rows, one per busy
             # worker; a lane's running count; the queued counts) and operators (dead jobs

@@ -599,6 +599,69 @@ WHERE id = (
 RETURNING {CLAIMED_COLUMNS}
 """
 
+# An idle worker's "when is my next job due?": the earliest run_at still ahead among
+# runnable rows (a blocked row runs when its lock frees, not at a time), in seconds from
+# now. The runnable index answers it pair by pair, as the claim walks it: each (lane,
+# priority) range's first row after now is one probe, so the look-up costs the same
+# however many delayed jobs wait, without an index of its own on run_at that every
+# enqueue and claim would write (migration 0015_i16_next_due_by_runnable).
+PG_NEXT_DUE = f"""
+WITH RECURSIVE {PG_NO_FULL_LANES}, {{pairs}}
+SELECT extract(epoch FROM min(due.run_at) - statement_timestamp())::float8
+FROM pairs CROSS JOIN LATERAL (
+    SELECT run_at FROM jobs_job
+    WHERE lane = pairs.lane AND priority = pairs.p AND {_QUEUED}
+      AND run_at > statement_timestamp()
+    ORDER BY run_at
+    LIMIT 1) AS due
+WHERE pairs.p IS NOT NULL
+"""
+
+SQLITE_NEXT_DUE = f"""
+WITH RECURSIVE {{lanes}}, pairs(lane, p) AS (
+    SELECT lanes.lane, (SELECT priority FROM jobs_job INDEXED BY job_runnable_idx
+                        WHERE lane = lanes.lane AND state = 'queued' AND blocked_by IS NULL
+                        ORDER BY priority DESC LIMIT 1)
+    FROM lanes WHERE lanes.lane IS NOT NULL
+    UNION ALL
+    SELECT pairs.lane, (SELECT priority FROM jobs_job INDEXED BY job_runnable_idx
+                        WHERE lane = pairs.lane AND state = 'queued' AND blocked_by IS NULL
+                          AND priority < pairs.p
+                        ORDER BY priority DESC LIMIT 1)
+    FROM pairs WHERE pairs.p IS NOT NULL
+)
+SELECT (julianday(min((SELECT run_at FROM jobs_job INDEXED BY job_runnable_idx
+                       WHERE lane = pairs.lane AND priority = pairs.p AND state = 'queued'
+                         AND blocked_by IS NULL AND run_at > {SQLITE_NOW}
+                       ORDER BY run_at LIMIT 1))) - julianday('now')) * 86400.0
+FROM pairs WHERE pairs.p IS NOT NULL
+"""
+
+
+def next_due_in(lanes: Sequence[str] | None, horizon: float) -> float | None:
+    """Seconds until the next runnable job of ``lanes`` (None: any) falls due, if one does
+    within ``horizon`` seconds (``PG_NEXT_DUE``)."""
+    params: dict[str, Any] = {}
+    if is_postgres():
+        pairs = PG_PAIRS_ANY
+        if lanes is not None:
+            params["lanes"] = _pg_array(tuple(lanes))
+            pairs = PG_PAIRS_LISTED
+        query = PG_NEXT_DUE.format(pairs=pairs)
+    else:
+        if lanes is not None:
+            params["lanes_json"] = json.dumps(sorted(set(lanes)))
+        listed = lanes is not None
+        query = SQLITE_NEXT_DUE.format(lanes=SQLITE_LANES_LISTED if listed else SQLITE_LANES_QUEUED)
+    with connection.cursor() as cursor:
+        cursor.execute(query, params)
+        row = cursor.fetchone()
+    seconds = None if row is None else row[0]
+    if seconds is None or seconds > horizon:
+        return None
+    return max(0.0, float(seconds))
+
+
 SQLITE_TAKE_LOCKS = f"""
 INSERT INTO jobs_joblock (resource, job_id, lease_token, acquired_at)
 SELECT value, %(job_id)s, %(token)s, {SQLITE_NOW} FROM json_each(%(locks)s) ORDER BY key

@@ -43,7 +43,6 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Sequence
-from datetime import timedelta
 from types import FrameType
 from typing import Any, TypeVar
 
@@ -57,14 +56,12 @@ from django.db import (
     close_old_connections,
     connection,
 )
-from django.db.models.functions import Now
 
 from . import engine, notify, options, sql, workers
 from . import lanes as lane_config
 from .context import JobContext, check_result
 from .exceptions import Cancelled, LeaseLost, PermanentError, UnknownKind
 from .log import bound_context, get_logger
-from .models import Job, State
 from .notify import PollWaker, SideListener
 from .registry import HandlerSpec, all_handlers, autodiscover, get_handler
 from .retry import DEFAULT_RETRY
@@ -200,9 +197,9 @@ class WorkerProcess:
 
     def _idle_wait(self) -> float:
         """How long to sleep idle: until the next job of this worker's lanes falls due,
-        at most ``poll_seconds`` (one look-up on the partial index ``job_next_due_idx``)."""
+        at most ``poll_seconds`` (a few probes of the runnable index: ``sql.next_due_in``)."""
         try:
-            due_in = next_due_in(self.lanes, self.poll_seconds)
+            due_in = sql.next_due_in(self.lanes, self.poll_seconds)
         except DatabaseError:
             return self.poll_seconds  # the next claim meets it and retries with backoff
         if due_in is None:
@@ -642,23 +639,6 @@ class WorkerProcess:
             connection.close()
         except Exception:
             log.exception("background_step_failed")
-
-
-def next_due_in(lanes: Sequence[str] | None, horizon: float) -> float | None:
-    """Seconds until the next queued job of ``lanes`` (None: any) falls due, if one does
-    within ``horizon`` seconds: a range scan of ``job_next_due_idx``, bounded by the
-    horizon. A job blocked on a lock is left out: it runs when the lock frees (the
-    freed-lock wake-up), not at a time."""
-    due = Job.objects.filter(
-        state=State.QUEUED,
-        blocked_by__isnull=True,
-        run_at__gt=Now(),
-        run_at__lte=Now() + timedelta(seconds=horizon),
-    )
-    if lanes is not None:
-        due = due.filter(lane__in=lanes)
-    row = due.annotate(now=Now()).order_by("run_at").values_list("run_at", "now").first()
-    return None if row is None else max(0.0, (row[0] - row[1]).total_seconds())
 
 
 def _timed_out(exc: BaseException) -> bool:

@@ -34,7 +34,7 @@ pytestmark = pytest.mark.django_db
 
 BY_STATE = re.compile(r'"jobs_job"\."state"')
 # A SQLite scan is acceptable only of an index that holds no finished history.
-PARTIAL = ("job_state_idx", "job_runnable_idx", "job_next_due_idx", "job_blocked_idx")
+PARTIAL = ("job_state_idx", "job_runnable_idx", "job_blocked_idx")
 
 
 def enqueue_into_a_bounded_lane() -> None:

@@ -135,8 +135,8 @@ def test_index_migrations_under_three_busy_workers_charge_no_attempt(
     workers: WorkerPool, migrated_forward: None
 ) -> None:
     """``manage.py migrate`` of the engine's index migrations (0011: an index built and
-    one dropped, both CONCURRENTLY; 0014: one redefined so), back and forth, while three
-    workers drain a queue.
+    one dropped, both CONCURRENTLY; 0014: one redefined so; 0015: one dropped so), back
+    and forth, while three workers drain a queue.
     A concurrent build waits out every transaction open when it starts: a worker holding
     one across handler code would hold up the deploy for as long as its handler ran."""
     total = 600
@@ -147,6 +147,8 @@ def test_index_migrations_under_three_busy_workers_charge_no_attempt(
         # 0014 redefines job_state_idx under its own name, through job_state_idx_next
         # (0012 and 0013 run no SQL here).
         ("0014_i16_state_index", "job_state_idx", "job_state_idx_next"),
+        # 0015 drops job_next_due_idx (CONCURRENTLY); its way back built it again above.
+        ("0015_i16_next_due_by_runnable", "job_runnable_idx", "job_next_due_idx"),
     ):
         before = succeeded()
         result = workers.command("migrate", "jobs", target, timeout=60)

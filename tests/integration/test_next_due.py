@@ -1,0 +1,93 @@
+"""An idle worker's "when is my next job due?" (``jobs.sql.next_due_in``) walks the runnable
+index lane by lane and priority by priority (migration 0015_i16 dropped the index of its
+own): the earliest runnable job still ahead, of the worker's lanes, within its horizon;
+a blocked job is left out (it runs when its lock frees). And it reads no table and no
+range of delayed jobs, however many of them wait."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+from django.db import connection
+
+from jobs import enqueueing, sql
+from jobs.models import Job
+
+pytestmark = pytest.mark.django_db
+
+
+def delayed(seconds: float, lane: str = "default", priority: int = 0) -> Job:
+    return enqueueing.enqueue(
+        "test.noop", {}, lane=lane, priority=priority, delay=timedelta(seconds=seconds)
+    )
+
+
+@pytest.fixture
+def lanes(settings: pytest.FixtureRequest) -> None:
+    settings.HOLDFAST_LANES = {"default": {}, "a": {}, "b": {}, "c": {}}
+
+
+def test_the_earliest_runnable_job_ahead_of_the_lanes_served(lanes: None) -> None:
+    delayed(40, "a", priority=5)
+    delayed(20, "a", priority=0)  # a lower priority, due earlier: still the lane's next
+    delayed(10, "b")
+    blocked = delayed(2, "b")
+    Job.objects.filter(pk=blocked.pk).update(blocked_by="res:x")
+    enqueueing.enqueue("test.noop", {}, lane="b")  # due now: claimable, not "ahead"
+
+    assert sql.next_due_in(None, 60) == pytest.approx(10, abs=1.5)
+    assert sql.next_due_in(["a"], 60) == pytest.approx(20, abs=1.5)
+    assert sql.next_due_in(["a", "c"], 60) == pytest.approx(20, abs=1.5)
+    assert sql.next_due_in(["a"], 15) is None  # beyond the horizon
+    assert sql.next_due_in(["c"], 60) is None  # nothing in the lane
+    Job.objects.filter(pk=blocked.pk).update(blocked_by=None)
+    assert sql.next_due_in(["b"], 60) == pytest.approx(2, abs=1.5)
+
+
+def test_an_empty_queue_has_nothing_due() -> None:
+    assert sql.next_due_in(None, 5) is None
+    assert sql.next_due_in(["default"], 5) is None
+
+
+@pytest.mark.parametrize("lane_list", [None, ["default", "a"]])
+def test_the_look_up_probes_the_runnable_index_only(lanes: None, lane_list: list[str] | None):
+    enqueueing.enqueue_many("test.noop", [{}] * 200, delay=timedelta(hours=1), priority=3)
+    delayed(30, "a")
+    with connection.cursor() as cursor:
+        cursor.execute("ANALYZE jobs_job")
+    found = plan(lane_list)
+    assert "job_runnable_idx" in found, found
+    if connection.vendor == "sqlite":
+        # The one SCAN is the first lane's, in index order under LIMIT 1 (one row read).
+        table_scans = [
+            line
+            for line in found.splitlines()
+            if ("SCAN jobs_job" in line and "USING INDEX job_runnable_idx" not in line)
+            or "TEMP B-TREE" in line
+        ]
+        assert not table_scans, found
+    else:
+        assert "Seq Scan on jobs_job" not in found and "Sort" not in found, found
+    assert sql.next_due_in(lane_list, 60) == pytest.approx(30, abs=1.5)
+
+
+def plan(lanes: list[str] | None) -> str:
+    """The look-up's plan, as ``sql.next_due_in`` sends it."""
+    params: dict[str, object] = {}
+    with connection.cursor() as cursor:
+        if connection.vendor == "sqlite":
+            listed = sql.SQLITE_LANES_LISTED if lanes else sql.SQLITE_LANES_QUEUED
+            if lanes:
+                params["lanes_json"] = '["a", "default"]'
+            cursor.execute("EXPLAIN QUERY PLAN " + sql.SQLITE_NEXT_DUE.format(lanes=listed), params)
+            return "\n".join(row[3] for row in cursor.fetchall())
+        pairs = sql.PG_PAIRS_LISTED if lanes else sql.PG_PAIRS_ANY
+        if lanes:
+            params["lanes"] = "{a,default}"
+        cursor.execute("SET enable_seqscan = off")  # as on a big table
+        try:
+            cursor.execute("EXPLAIN " + sql.PG_NEXT_DUE.format(pairs=pairs), params)
+            return "\n".join(row[0] for row in cursor.fetchall())
+        finally:
+            cursor.execute("RESET enable_seqscan")
