@@ -13,7 +13,7 @@ import pytest
 from django.utils import timezone
 
 from jobs import engine, enqueueing
-from jobs.models import Job, Schedule, State
+from jobs.models import Job, JobCount, OutcomeCount, Schedule, State
 from ops.models import OpsToken
 from tests.conftest import REPO
 
@@ -92,6 +92,24 @@ def test_filters_that_name_a_known_kind_or_lane_with_no_jobs_are_an_empty_answer
     retired = Job.objects.create(kind="retired.kind", lane="gone-lane", state=State.DEAD)
     assert run_json("list_jobs", "--kind", "retired.kind")["count"] == 1
     assert run_json("requeue_dead", "--lane", "gone-lane", "--dry-run")["requeued"] == [retired.pk]
+
+
+def test_a_kind_and_lane_whose_jobs_all_succeeded_are_known_from_their_counts():
+    """What a settle leaves of a retired kind in a removed lane: succeeded rows (which no
+    index of states holds) and their attempt counts; the filters' check reads the counts."""
+    Job.objects.create(kind="retired.kind", lane="gone-lane", state=State.SUCCEEDED)
+    OutcomeCount.objects.create(
+        kind="retired.kind",
+        lane="gone-lane",
+        outcome="succeeded",
+        state="succeeded",
+        bucket=0,
+        count=1,
+    )
+    assert run_json("requeue_dead", "--kind", "retired.kind", "--dry-run")["requeued"] == []
+    assert run_json("list_jobs", "--state", "dead", "--lane", "gone-lane")["count"] == 0
+    JobCount.objects.create(lane="pruned-lane", state="succeeded", count=2)  # a recount's row
+    assert run_json("requeue_dead", "--lane", "pruned-lane", "--dry-run")["requeued"] == []
 
 
 def test_requeueing_a_running_job_says_it_is_running_not_that_it_holds_its_own_key():

@@ -118,3 +118,34 @@ def test_sqlite_reclaim_reads_the_running_rows_through_the_state_index() -> None
     rows = connection.connection.execute("EXPLAIN QUERY PLAN " + query, {"limit": 1})
     found = "\n".join(row[3] for row in rows)
     assert "job_state_idx" in found, found
+
+
+# Callers whose own query goes by state (a listing by kind or lane alone, in every state,
+# reads the history by id until it has a page: docs/operations.md).
+UNKNOWN_FILTERS: dict[str, Callable[[], object]] = {
+    "requeue_dead --kind no.such": lambda: run("requeue_dead", "--kind", "no.such", "--dry-run"),
+    "requeue_dead --lane nolane": lambda: run("requeue_dead", "--lane", "nolane", "--dry-run"),
+    "list_jobs --state dead --kind no.such.task.path": lambda: run(
+        "list_jobs", "--state", "dead", "--kind", "no.such.task.path"
+    ),
+}
+
+
+@pytest.mark.parametrize("name", UNKNOWN_FILTERS)
+def test_an_unknown_kind_or_lane_is_refused_without_reading_the_history(name: str) -> None:
+    """``operations.check_filters`` confirms a name is unknown from the state index and the
+    counts: a query of jobs_job by lane or kind alone read every row (ten million
+    succeeded ones included) for each mistyped name."""
+    for _ in range(3):
+        enqueueing.enqueue("test.echo")
+        Job.objects.filter(pk=claim_one().id).update(state=State.SUCCEEDED)
+    with CaptureQueriesContext(connection) as captured, pytest.raises(Exception) as refused:
+        UNKNOWN_FILTERS[name]()
+    assert "unknown" in str(refused.value)
+    queries = [q["sql"] for q in captured.captured_queries if 'FROM "jobs_job"' in q["sql"]]
+    assert queries, f"{name} read no jobs: the test no longer covers it"
+    for query in queries:
+        found = plan(query)
+        assert not full_scans(found), f"{query}\n{found}"
+        whole_pkey = r"Index (Only )?Scan (Backward )?using jobs_job_pkey on jobs_job\s*$"
+        assert not re.search(whole_pkey, found, re.M), f"{query}\n{found}"
