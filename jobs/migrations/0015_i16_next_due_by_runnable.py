@@ -9,9 +9,10 @@ runs only while a worker is idle. On SQLite that was one more page in each job's
 index entry per enqueued job.
 
 On PostgreSQL the index is dropped ``CONCURRENTLY`` (never blocking workers or enqueues)
-and rebuilt so on the way back. Workers of the previous release still look the due time
-up with a range condition on ``run_at``: without the index that reads their lanes'
-runnable entries, until they are restarted.
+and rebuilt so on the way back. Workers of the code before it still look the due time
+up with a range condition on ``run_at``: without the index that reads the queued jobs of
+their lanes (for a worker of every lane, the whole table) at each idle wake-up, until
+they are restarted.
 """
 
 from typing import Any
