@@ -52,8 +52,10 @@ def _accepted_args_encoder() -> Callable[[dict[str, Any]], str]:
     encoder = make(
         None,  # markers: no cycle check (done)
         ARGS_ENCODER.default,
-        json.encoder.encode_basestring_ascii,  # ensure_ascii, as ARGS_ENCODER
-        None,  # indent
+        json.encoder.encode_basestring_ascii
+        if ARGS_ENCODER.ensure_ascii
+        else json.encoder.encode_basestring,
+        None,  # indent: ARGS_ENCODER has none (JSONEncoder uses the C encoder only then)
         ARGS_ENCODER.key_separator,
         ARGS_ENCODER.item_separator,
         ARGS_ENCODER.sort_keys,

@@ -51,10 +51,9 @@ def kind_filter(kind: str) -> Q:
 def check_filters(kind: str | None, lane: str | None) -> None:
     """A filter naming a kind or lane that nothing knows is bad input (DESIGN §8: an
     unknown kind is exit 2), not an empty answer: a typo must not look like "none". Known
-    is a declared lane or a registered handler (or Django task), or one that jobs have
-    (a kind retired since, a lane removed from settings). Called when a filtered answer
-    came back empty, so the look-up costs only then, and it reads no job history
-    (``_seen``)."""
+    is a declared lane or a registered handler (or Django task), or one that jobs have or
+    had (a kind retired since, a lane removed from settings: ``_seen``). Called when a
+    filtered answer came back empty, so the look-up costs only then."""
     declared = lanes.lanes()
     if lane is not None and lane not in declared and not _seen(Q(lane=lane), lane=lane):
         names = ", ".join(sorted(declared))
@@ -66,12 +65,14 @@ def check_filters(kind: str | None, lane: str | None) -> None:
 
 
 def _seen(jobs: Q, **counted: str) -> bool:
-    """Do jobs have it: a job that is not succeeded (through ``job_state_idx``), or an
-    attempt or finished job counted with it (``jobs_outcomecount``, ``jobs_jobcount``: a
-    few rows per kind and lane). Never a read of the succeeded history, which at ten
-    million rows took seconds per unknown name. A succeeded job finished before the
-    counts existed (0.1) and never recounted is not seen, nor a Django task's path that
-    only succeeded (its attempts are counted as ``django.task``)."""
+    """Do or did jobs have it: a job in any state but succeeded (``job_state_idx``: the
+    active, dead and cancelled rows, never the succeeded history, which at ten million
+    rows took seconds per mistyped name), or an attempt or finished job ever counted with
+    it (``jobs_outcomecount``, ``jobs_jobcount``: small tables that pruning leaves, so a
+    name stays known after its last job is pruned). Not seen: a kind whose only jobs
+    succeeded under 0.1, which counted no attempts (``recount_jobs`` counts lanes, not
+    kinds), and a Django task's path whose jobs all succeeded (its attempts are counted
+    as ``django.task``)."""
     if Job.objects.filter(in_states(*INDEXED_STATES) & jobs).exists():
         return True
     if OutcomeCount.objects.filter(**counted).exists():

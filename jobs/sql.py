@@ -602,9 +602,9 @@ RETURNING {CLAIMED_COLUMNS}
 # An idle worker's "when is my next job due?": the earliest run_at still ahead among
 # runnable rows (a blocked row runs when its lock frees, not at a time), in seconds from
 # now. The runnable index answers it pair by pair, as the claim walks it: each (lane,
-# priority) range's first row after now is one probe, so the look-up costs the same
-# however many delayed jobs wait, without an index of its own on run_at that every
-# enqueue and claim would write (migration 0015_i16_next_due_by_runnable).
+# priority) range's first row after now is one probe, so the look-up grows with the lanes
+# and priorities in use, not with the delayed jobs, and needs no index of its own on
+# run_at for every enqueue and claim to write (migration 0015_i16_next_due_by_runnable).
 PG_NEXT_DUE = f"""
 WITH RECURSIVE {PG_NO_FULL_LANES}, {{pairs}}
 SELECT extract(epoch FROM min(due.run_at) - statement_timestamp())::float8

@@ -10,9 +10,8 @@ index entry per enqueued job.
 
 On PostgreSQL the index is dropped ``CONCURRENTLY`` (never blocking workers or enqueues)
 and rebuilt so on the way back. Workers of the code before it still look the due time
-up with a range condition on ``run_at``: without the index that reads the queued jobs of
-their lanes (for a worker of every lane, the whole table) at each idle wake-up, until
-they are restarted.
+up with a range condition on ``run_at``: without the index that reads every queued job of
+their lanes at each idle wake-up, until they are restarted.
 """
 
 from typing import Any

@@ -37,6 +37,22 @@ def failure(message: str = "boom", permanent: bool = False) -> engine.Failure:
     )
 
 
+def query_plan(query: str) -> str:
+    """The plan of ``query`` (as Django captured it, parameters inlined): SQLite's ``EXPLAIN
+    QUERY PLAN`` lines, or PostgreSQL's ``EXPLAIN`` with sequential scans off, as on a
+    table too big for them."""
+    with connection.cursor() as cursor:
+        if connection.vendor == "sqlite":
+            cursor.execute("EXPLAIN QUERY PLAN " + query.replace("%", "%%"))
+            return "\n".join(row[3] for row in cursor.fetchall())
+        cursor.execute("SET enable_seqscan = off")
+        try:
+            cursor.execute("EXPLAIN " + query.replace("%", "%%"))
+            return "\n".join(row[0] for row in cursor.fetchall())
+        finally:
+            cursor.execute("RESET enable_seqscan")
+
+
 def index_condition(name: str) -> str | None:
     """The condition of the index ``name`` of the engine's tables (None: it has none)."""
     with connection.cursor() as cursor:

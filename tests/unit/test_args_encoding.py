@@ -23,7 +23,15 @@ values = st.recursive(
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(), inner, max_size=4),
     max_leaves=20,
 )
-objects = st.dictionaries(st.text(), values, max_size=6)
+# Keys JSON turns into strings are accepted too (as ARGS_ENCODER accepts them).
+keys = (
+    st.text()
+    | st.integers()
+    | st.booleans()
+    | st.none()
+    | st.floats(allow_nan=False, allow_infinity=False)
+)
+objects = st.dictionaries(keys, values, max_size=6)
 
 
 @settings(max_examples=400, deadline=None)
