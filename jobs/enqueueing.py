@@ -39,6 +39,10 @@ log = get_logger("jobs.enqueueing")
 
 ARGS_ENCODER = json.JSONEncoder(allow_nan=False)  # strict JSON: no NaN or Infinity
 
+UNIQUE_KEY_LENGTH = 255
+LOCK_NAME_LENGTH = 255
+KEYS_PER_QUERY = 1000  # keeps ``IN (…)`` well under SQLite's bound-parameter limit
+
 
 def _accepted_args_encoder() -> Callable[[dict[str, Any]], str]:
     """``ARGS_ENCODER.encode`` for one job's args that ``_args_array`` has already accepted
@@ -67,9 +71,6 @@ def _accepted_args_encoder() -> Callable[[dict[str, Any]], str]:
 
 
 encode_accepted_args = _accepted_args_encoder()
-UNIQUE_KEY_LENGTH = 255
-LOCK_NAME_LENGTH = 255
-KEYS_PER_QUERY = 1000  # keeps ``IN (…)`` well under SQLite's bound-parameter limit
 
 
 # --- enqueue ---------------------------------------------------------------------------

@@ -55,29 +55,34 @@ def check_filters(kind: str | None, lane: str | None) -> None:
     had (a kind retired since, a lane removed from settings: ``_seen``). Called when a
     filtered answer came back empty, so the look-up costs only then."""
     declared = lanes.lanes()
-    if lane is not None and lane not in declared and not _seen(Q(lane=lane), lane=lane):
+    if (
+        lane is not None
+        and lane not in declared
+        and not _seen(
+            Q(lane=lane),
+            OutcomeCount.objects.filter(lane=lane),
+            JobCount.objects.filter(lane=lane),
+        )
+    ):
         names = ", ".join(sorted(declared))
         raise InvalidJob(f"unknown lane {lane!r} (no job has it; declared: {names})")
     if kind is None or kind in registry.kinds() or is_task(kind):
         return
-    if not _seen(kind_filter(kind), kind=kind):
+    if not _seen(kind_filter(kind), OutcomeCount.objects.filter(kind=kind)):
         raise UnknownKind(f"unknown kind {kind!r}: no handler, no task and no job of it")
 
 
-def _seen(jobs: Q, **counted: str) -> bool:
+def _seen(jobs: Q, *counts: QuerySet[Any]) -> bool:
     """Do or did jobs have it: a job in any state but succeeded (``job_state_idx``: the
     active, dead and cancelled rows, never the succeeded history, which at ten million
-    rows took seconds per mistyped name), or an attempt or finished job ever counted with
-    it (``jobs_outcomecount``, ``jobs_jobcount``: small tables that pruning leaves, so a
-    name stays known after its last job is pruned). Not seen: a kind whose only jobs
-    succeeded under 0.1, which counted no attempts (``recount_jobs`` counts lanes, not
-    kinds), and a Django task's path whose jobs all succeeded (its attempts are counted
-    as ``django.task``)."""
-    if Job.objects.filter(in_states(*INDEXED_STATES) & jobs).exists():
-        return True
-    if OutcomeCount.objects.filter(**counted).exists():
-        return True
-    return "lane" in counted and JobCount.objects.filter(**counted).exists()
+    rows took seconds per mistyped name), or a row of ``counts``: attempts or finished
+    jobs ever counted with it (``jobs_outcomecount``, ``jobs_jobcount``: small tables that
+    pruning leaves, so a name stays known after its last job is pruned). Not seen: a kind
+    whose only jobs succeeded under 0.1, which counted no attempts (``recount_jobs``
+    counts lanes, not kinds), and a Django task's path whose jobs all succeeded (its
+    attempts are counted as ``django.task``)."""
+    indexed = Job.objects.filter(in_states(*INDEXED_STATES) & jobs)
+    return indexed.exists() or any(count.exists() for count in counts)
 
 
 def is_task(path: str) -> bool:

@@ -643,16 +643,15 @@ def next_due_in(lanes: Sequence[str] | None, horizon: float) -> float | None:
     within ``horizon`` seconds (``PG_NEXT_DUE``)."""
     params: dict[str, Any] = {}
     if is_postgres():
-        pairs = PG_PAIRS_ANY
+        query = PG_NEXT_DUE.format(pairs=PG_PAIRS_ANY if lanes is None else PG_PAIRS_LISTED)
         if lanes is not None:
             params["lanes"] = _pg_array(tuple(lanes))
-            pairs = PG_PAIRS_LISTED
-        query = PG_NEXT_DUE.format(pairs=pairs)
     else:
+        query = SQLITE_NEXT_DUE.format(
+            lanes=SQLITE_LANES_QUEUED if lanes is None else SQLITE_LANES_LISTED
+        )
         if lanes is not None:
-            params["lanes_json"] = json.dumps(sorted(set(lanes)))
-        listed = lanes is not None
-        query = SQLITE_NEXT_DUE.format(lanes=SQLITE_LANES_LISTED if listed else SQLITE_LANES_QUEUED)
+            params["lanes_json"] = _lanes_json(tuple(lanes))
     with connection.cursor() as cursor:
         cursor.execute(query, params)
         row = cursor.fetchone()
@@ -1796,7 +1795,7 @@ def _lane_filter(
     """SQLite: the claim's lane condition: only ``lanes`` (None: any; also the claim's list
     of lanes to walk, ``lanes_json``), never ``excluded``."""
     if lanes is not None:
-        params["lanes_json"] = json.dumps(sorted(set(lanes)))
+        params["lanes_json"] = _lanes_json(tuple(lanes))
     clauses = []
     for operator, prefix, names in (("IN", "lane", lanes), ("NOT IN", "excluded", excluded)):
         if names is None or (operator == "NOT IN" and not names):
@@ -1816,6 +1815,12 @@ def _kind_filter(kinds: Sequence[str] | None, params: dict[str, Any]) -> str:
         return ""
     params["kinds"] = _kinds_json(tuple(kinds))
     return " AND kind IN (SELECT value FROM json_each(%(kinds)s))"
+
+
+@functools.lru_cache(maxsize=64)  # a worker's lanes are the same on every claim
+def _lanes_json(lanes: tuple[str, ...]) -> str:
+    """SQLite: the lanes to walk (``SQLITE_LANES_LISTED``), each once, as one JSON text."""
+    return json.dumps(sorted(set(lanes)))
 
 
 @functools.lru_cache(maxsize=64)  # a worker's kinds are the same on every claim
