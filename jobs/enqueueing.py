@@ -48,7 +48,7 @@ def _accepted_args_encoder() -> Callable[[dict[str, Any]], str]:
     """``ARGS_ENCODER.encode`` for one job's args that ``_args_array`` has already accepted
     (every job's args of a batch, encoded in one call): the same text, from a C encoder set
     up once. ``JSONEncoder.encode`` sets one up on every call: 1.5 µs a job against 0.4,
-    where all of ``enqueue_many`` takes about 10 at COPY's rate. No circular-reference
+    where all of ``enqueue_many`` took about 7 (146,000 jobs/s measured). No circular-reference
     check: the array's encode made it. Without the C accelerator, ``ARGS_ENCODER.encode``."""
     make = getattr(json.encoder, "c_make_encoder", None)  # not in typeshed's stub
     if make is None:

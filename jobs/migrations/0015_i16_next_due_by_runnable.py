@@ -1,7 +1,7 @@
 """``job_next_due_idx`` is dropped: an idle worker's look-up of when its next job falls due
 walks the runnable index instead (``jobs.sql.next_due_in``: one probe per lane and
-priority, as the claim walks it), so the look-up costs the same however many delayed jobs
-wait.
+priority, as the claim walks it), so the look-up grows with the lanes and priorities in
+use, not with the number of delayed jobs.
 
 Why: every enqueue wrote an entry to it and every claim removed one, for a look-up that
 runs only while a worker is idle. On SQLite that was one more page in each job's commit
