@@ -9,12 +9,14 @@ from __future__ import annotations
 import re
 from datetime import timedelta
 
+import psycopg
 import pytest
 from django.db import connection
 from django.test.utils import CaptureQueriesContext
 
 from jobs import enqueueing, sql
 from jobs.models import Job
+from tests.conftest import database_url
 
 from .helpers import query_plan
 
@@ -81,3 +83,23 @@ def test_the_look_up_probes_the_runnable_index_only(lanes: None, lane_list: list
     else:
         assert "Seq Scan on jobs_job" not in found and "Sort" not in found, found
         assert re.search(r"Index Cond: .*run_at > statement_timestamp\(\)", found), found
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db(transaction=True)
+def test_an_idle_worker_whose_look_up_fails_sleeps_one_poll_and_looks_again() -> None:
+    """The look-up's connection killed under it (a failover, a pooler dropping it): the
+    idle worker neither crashes nor sleeps longer than one poll, and once the connection
+    is replaced it finds the delayed job's time again."""
+    from jobs.worker import WorkerProcess
+
+    worker = WorkerProcess(worker_id="idle-fault", burst=True, poll_seconds=4)
+    delayed(2)
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_backend_pid()")
+        (pid,) = cursor.fetchone()
+    with psycopg.connect(database_url(connection.settings_dict), autocommit=True) as other:
+        other.execute("SELECT pg_terminate_backend(%s)", [pid])
+    assert worker._idle_wait() == 4.0
+    connection.close()  # what the worker's next claim does after an outage
+    assert worker._idle_wait() == pytest.approx(2, abs=1.5)
