@@ -62,8 +62,10 @@ def handler(
     (``jobs.options``): a value the engine cannot store would otherwise fail each of the
     kind's jobs, or every worker that claims one (a ValueError naming the kind and option).
     """
-    if not isinstance(kind, str) or not kind or len(kind) > 200:
-        raise ValueError(f"a job kind is a non-empty string of at most 200 characters: {kind!r}")
+    if not isinstance(kind, str) or not kind or len(kind) > 200 or not kind.isprintable():
+        raise ValueError(
+            f"a job kind is a non-empty string of at most 200 printable characters: {kind!r}"
+        )
     problem = _options_problem(max_attempts, lease_seconds, backoff, lane, locks, schedule)
     if problem:
         raise ValueError(f"handler {kind!r}: {problem}")

@@ -1809,12 +1809,16 @@ def _lane_filter(
 def _kind_filter(kinds: Sequence[str] | None, params: dict[str, Any]) -> str:
     """SQLite: the claim's kind condition: only kinds this worker can run (None: any kind).
 
-    One JSON parameter whatever the number of kinds, so the claim keeps one text.
+    One parameter whatever the number of kinds, so the claim keeps one text: the kinds
+    joined by the unit separator (``\\x1f``). A job's kind between two separators is found
+    in that text exactly when it is one of them, since no served kind holds a separator
+    (``@handler`` takes printable kinds only) and a stored kind that holds one never passes. A
+    ``json_each`` list would cost each claim a fifth of its time, building its table.
     """
     if kinds is None:
         return ""
-    params["kinds"] = _kinds_json(tuple(kinds))
-    return " AND kind IN (SELECT value FROM json_each(%(kinds)s))"
+    params["kinds"] = _kinds_text(tuple(kinds))
+    return " AND instr(%(kinds)s, char(31) || kind || char(31)) > 0 AND instr(kind, char(31)) = 0"
 
 
 @functools.lru_cache(maxsize=64)  # a worker's lanes are the same on every claim
@@ -1824,8 +1828,10 @@ def _lanes_json(lanes: tuple[str, ...]) -> str:
 
 
 @functools.lru_cache(maxsize=64)  # a worker's kinds are the same on every claim
-def _kinds_json(kinds: tuple[str, ...]) -> str:
-    return json.dumps(list(kinds))
+def _kinds_text(kinds: tuple[str, ...]) -> str:
+    if any("\x1f" in kind for kind in kinds):
+        raise ValueError(f"a job kind holds no control characters: {kinds!r}")
+    return "\x1f" + "\x1f".join(kinds) + "\x1f"
 
 
 def _settle_params(job: Claimed, how: Settlement) -> dict[str, Any]:

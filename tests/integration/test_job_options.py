@@ -93,6 +93,12 @@ def test_handler_refuses_options_the_engine_cannot_use_at_import(given: dict[str
         handler("opt.refused", **given)
 
 
+@pytest.mark.parametrize("kind", ["", "x" * 201, "a\x1fb", "a\x00", "line\nbreak", 5])
+def test_handler_refuses_a_kind_that_is_not_a_printable_name(kind: Any):
+    with pytest.raises(ValueError, match="a job kind is a non-empty string of at most 200"):
+        handler(kind)
+
+
 def test_handler_keeps_every_valid_form():
     handler("opt.valid", max_attempts=1_000_000, lease_seconds=MAX_LEASE_SECONDS, backoff=0)
     handler("opt.valid2", backoff=RetryPolicy(base=1, cap=60, jitter=0), schedule=0.5)
