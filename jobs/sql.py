@@ -1812,8 +1812,8 @@ def _kind_filter(kinds: Sequence[str] | None, params: dict[str, Any]) -> str:
     One parameter whatever the number of kinds, so the claim keeps one text: the kinds
     joined by the unit separator (``\\x1f``). A job's kind between two separators is found
     in that text exactly when it is one of them, since no served kind holds a separator
-    (``@handler`` takes printable kinds only) and a stored kind that holds one never passes. A
-    ``json_each`` list would cost each claim a fifth of its time, building its table.
+    (``@handler`` takes printable kinds only) and a stored kind that holds one never
+    passes. A ``json_each`` list built its table on every claim (3 µs with 12 kinds).
     """
     if kinds is None:
         return ""
@@ -1830,7 +1830,7 @@ def _lanes_json(lanes: tuple[str, ...]) -> str:
 @functools.lru_cache(maxsize=64)  # a worker's kinds are the same on every claim
 def _kinds_text(kinds: tuple[str, ...]) -> str:
     if any("\x1f" in kind for kind in kinds):
-        raise ValueError(f"a job kind holds no control characters: {kinds!r}")
+        raise ValueError(f"a served job kind holds no unit separator (\\x1f): {kinds!r}")
     return "\x1f" + "\x1f".join(kinds) + "\x1f"
 
 
