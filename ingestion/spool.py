@@ -20,9 +20,10 @@ Each file gets one of three outcomes, decided for it alone:
   is still the file that was read (same size, mtime, ctime, inode and device).
 * **quarantined** (its own fault): anything raised while reading its bytes, decoding,
   parsing or validating them (:mod:`ingestion.submissions`), a file that is not a regular
-  file, or a database refusal of its data that is a data exception (SQLSTATE class 22) or
-  a program limit (class 54), reproduces with the file alone, while the rest of its batch
-  commits without it. Its reconciliation issue commits first; the move follows.
+  file, or a database refusal of its data (a data exception, a constraint or a trigger
+  refusing it, a program limit: SQLSTATE classes 22, 23, 44, 54 and P0) that reproduces
+  with the file alone, while the rest of its batch commits without it. Its reconciliation
+  issue commits first; the move follows.
 * **left in place** (nothing to do with the file): every other database error, a file
   that cannot be opened (permissions), the blob store failing, a file that changed
   while or after it was read, a malformed file that changed less than the settle time
@@ -102,8 +103,22 @@ SKIPPED = "skipped"  # changed since it was read (or the move failed): read it a
 GONE = "gone"  # disappeared before it was read
 
 #: SQLSTATE classes of a database refusal that may be one file's own (with the other two
-#: conditions: it reproduces alone, and the rest commits without it).
-FILE_DATA_CLASSES = ("22", "54")
+#: conditions: it reproduces alone, and the rest commits without it): data exceptions,
+#: integrity constraints (a CHECK, NOT NULL, unique or foreign key), WITH CHECK OPTION,
+#: program limits, and PL/pgSQL's RAISE (a trigger refusing a row). Never a transient class
+#: (connections 08, transaction rollbacks 40, resources 53, lock and statement timeouts
+#: 55 and 57) nor ours (42, a schema the code does not match; XX).
+FILE_DATA_CLASSES = ("22", "23", "44", "54", "P0")
+
+#: SQLite's extended constraint codes, as the SQLSTATE PostgreSQL gives the same refusal.
+SQLITE_CONSTRAINTS = {
+    sqlite3.SQLITE_CONSTRAINT_NOTNULL: "23502",
+    sqlite3.SQLITE_CONSTRAINT_FOREIGNKEY: "23503",
+    sqlite3.SQLITE_CONSTRAINT_UNIQUE: "23505",
+    sqlite3.SQLITE_CONSTRAINT_PRIMARYKEY: "23505",
+    sqlite3.SQLITE_CONSTRAINT_CHECK: "23514",
+    sqlite3.SQLITE_CONSTRAINT_TRIGGER: "P0001",  # RAISE(ABORT, …) in a trigger
+}
 
 
 class Stuck(Exception):
@@ -454,21 +469,26 @@ class BlobStoreError(OSError):
 
 
 def refusal_sqlstate(exc: BaseException) -> str | None:
-    """The SQLSTATE of a database error when it is a data exception (class 22) or a program
-    limit (class 54), else None. SQLite has no SQLSTATE: its codes that mean the same are
-    mapped (``SQLITE_TOOBIG`` → 54000; ``SQLITE_MISMATCH`` → 22000; a JSON column's
-    ``json_valid`` CHECK, SQLite's form of PostgreSQL's invalid JSON → 22032)."""
+    """The SQLSTATE of a database error when it refuses data (its class is one of
+    ``FILE_DATA_CLASSES``), else None. SQLite has no SQLSTATE: its codes that mean the same
+    are mapped (``SQLITE_TOOBIG`` → 54000; ``SQLITE_MISMATCH`` → 22000; a JSON column's
+    ``json_valid`` CHECK, SQLite's form of PostgreSQL's invalid JSON → 22032; the other
+    constraints as ``SQLITE_CONSTRAINTS`` says, 23000 for the rest of that family)."""
     cause = exc.__cause__ if exc.__cause__ is not None else exc
     sqlstate = getattr(cause, "sqlstate", None)
     if isinstance(sqlstate, str):
         return sqlstate if sqlstate[:2] in FILE_DATA_CLASSES else None
     code = getattr(cause, "sqlite_errorcode", None)
+    if not isinstance(code, int):
+        return None
     if code == sqlite3.SQLITE_TOOBIG:
         return "54000"
     if code == sqlite3.SQLITE_MISMATCH:
         return "22000"
     if code == sqlite3.SQLITE_CONSTRAINT_CHECK and "json_valid(" in str(cause).lower():
         return "22032"
+    if code & 0xFF == sqlite3.SQLITE_CONSTRAINT:
+        return SQLITE_CONSTRAINTS.get(code, "23000")
     return None
 
 

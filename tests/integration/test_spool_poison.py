@@ -331,6 +331,96 @@ def test_a_refusal_every_file_shares_leaves_the_whole_batch_in_place(
     assert not ReconciliationIssue.objects.exists() and not IngestedSubmission.objects.exists()
 
 
+# A constraint or a trigger the operator added refuses some rows: the refusal is a file's
+# own when it reproduces alone and the rest commits (not only data exceptions).
+REFUSALS: dict[str, tuple[list[str], list[str], str, str]] = {
+    # Two facts of one file under a unique index that admits one: 23505 on both databases.
+    "unique": (
+        [
+            "CREATE UNIQUE INDEX poison_once ON facts ((substr(key, 1, 0))) "
+            "WHERE key LIKE 'poison%%'"
+        ],
+        ["DROP INDEX poison_once"],
+        "23505",
+        "23505",
+    ),
+    # A trigger refusing the row: RAISE in PL/pgSQL (P0001), RAISE(ABORT) in SQLite.
+    "trigger": (
+        [
+            "CREATE FUNCTION refuse_poison() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN "
+            "IF NEW.key LIKE 'poison%%' THEN RAISE EXCEPTION 'no poison here'; END IF; "
+            "RETURN NEW; END $$",
+            "CREATE TRIGGER refuse_poison BEFORE INSERT ON facts "
+            "FOR EACH ROW EXECUTE FUNCTION refuse_poison()",
+        ],
+        ["DROP TRIGGER refuse_poison ON facts", "DROP FUNCTION refuse_poison()"],
+        "P0001",
+        "P0001",
+    ),
+}
+SQLITE_TRIGGER = (
+    "CREATE TRIGGER refuse_poison BEFORE INSERT ON facts WHEN NEW.key LIKE 'poison%%' "
+    "BEGIN SELECT RAISE(ABORT, 'no poison here'); END"
+)
+
+
+@pytest.mark.parametrize("case", sorted(REFUSALS))
+def test_a_file_a_constraint_or_trigger_refuses_is_quarantined_and_the_rest_applied(
+    db: None, the_spool: Spool, drop: Drop, case: str
+) -> None:
+    create, drop_it, postgres_code, sqlite_code = REFUSALS[case]
+    if not on_postgres():
+        create = [SQLITE_TRIGGER] if case == "trigger" else create
+        drop_it = ["DROP TRIGGER refuse_poison"] if case == "trigger" else drop_it
+    with connection.cursor() as cursor:
+        for statement in create:
+            cursor.execute(statement)
+    try:
+        goods(drop, 20)
+        poison = submission(key="poison-a")
+        poison["facts"].append({"entity": "run", "key": "poison-b", "attributes": {}})
+        drop("poison.json", poison)
+        progress = drain(the_spool, stuck_after=20)
+    finally:
+        with connection.cursor() as cursor:
+            for statement in drop_it:
+                cursor.execute(statement)
+    assert names(the_spool.incoming) == []
+    assert (progress.applied, progress.quarantined) == (20, 1)
+    assert_goods_applied(20)
+    why = reason(the_spool, "poison.json")
+    assert why["stage"] == "database"
+    expected = postgres_code if on_postgres() else sqlite_code
+    assert f"[{expected}]" in why["error"], why
+    assert ReconciliationIssue.objects.get().subject == "poison.json"
+
+
+def test_a_transient_error_is_never_split_down_to_a_quarantine() -> None:
+    """Serialization failures, lock timeouts, a lost connection, a schema we do not match:
+    none of them is ever a file's own, however often it reproduces."""
+    import sqlite3
+
+    from django.db import OperationalError, ProgrammingError
+
+    def wrapped(cause: BaseException, outer: type[Exception]) -> Exception:
+        error = outer(str(cause))
+        error.__cause__ = cause
+        return error
+
+    class Cause(Exception):
+        def __init__(self, sqlstate: str) -> None:
+            super().__init__(sqlstate)
+            self.sqlstate = sqlstate
+
+    for code in ("40001", "40P01", "55P03", "57014", "08006", "53100", "42703", "XX000"):
+        assert spool.refusal_sqlstate(wrapped(Cause(code), OperationalError)) is None, code
+    for code in ("22003", "23505", "23514", "44000", "54000", "P0001"):
+        assert spool.refusal_sqlstate(wrapped(Cause(code), ProgrammingError)) == code
+    busy = sqlite3.OperationalError("database is locked")
+    busy.sqlite_errorcode = sqlite3.SQLITE_BUSY
+    assert spool.refusal_sqlstate(wrapped(busy, OperationalError)) is None
+
+
 def test_batches_are_bounded_by_bytes(db: None, the_spool: Spool, drop: Drop) -> None:
     for i in range(12):
         drop(f"big-{i:02}.json", submission(key=f"k{i}", pad="y" * 100_000))
