@@ -1,9 +1,12 @@
 """The API's body parser: DRF's JSON parser, with a body nested too deeply refused as bad
-input (a 400) instead of ending in Python's ``RecursionError`` (a 500), and a number too
-long for Python's integer parsing named as such."""
+input (a 400) instead of ending in Python's ``RecursionError`` (a 500), a number too
+long for Python's integer parsing named as such, and an object that names a key twice
+refused (JSON leaves it undefined; Python would keep the last one silently)."""
 
 from __future__ import annotations
 
+import codecs
+import json
 import sys
 from collections.abc import Mapping
 from typing import IO, Any
@@ -19,15 +22,35 @@ class JSONParser(parsers.JSONParser):
         media_type: str | None = None,
         parser_context: Mapping[str, Any] | None = None,
     ) -> Any:
+        # DRF's check: only a text codec (a charset such as bz2_codec would decompress the
+        # body after its size was checked).
+        encoding = parsers.get_encoding(parser_context or {})  # type: ignore[attr-defined]
         try:
-            return super().parse(stream, media_type, parser_context)
+            return json.load(
+                codecs.getreader(encoding)(stream),
+                parse_constant=strict_constant,
+                object_pairs_hook=unique_keys,
+            )
         except RecursionError:
             raise ParseError("JSON parse error - the body is nested too deeply") from None
-        except ParseError as exc:
-            # Python's own limit on a number's digits, named without its internals.
-            if "int_max_str_digits" in str(exc.detail):
+        except ValueError as exc:
+            if "int_max_str_digits" in str(exc):  # Python's own limit, without its internals
                 limit = sys.get_int_max_str_digits()
                 raise ParseError(
                     f"JSON parse error - a number has more than {limit} digits"
                 ) from None
-            raise
+            raise ParseError(f"JSON parse error - {exc}") from None
+
+
+def strict_constant(name: str) -> Any:
+    """``NaN``, ``Infinity`` and ``-Infinity`` are not JSON (DRF's ``STRICT_JSON``)."""
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    found: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in found:
+            raise ValueError(f"the key {key!r} is given more than once")
+        found[key] = value
+    return found

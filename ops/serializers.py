@@ -12,6 +12,7 @@ that they name the same fields, so the schema cannot drift from what is served.
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from datetime import datetime
 from typing import Any
 
@@ -180,7 +181,21 @@ class SearchQuery(serializers.Serializer):
 # --- request bodies ----------------------------------------------------------------------
 
 
-class Resolve(serializers.Serializer):
+class Body(serializers.Serializer):
+    """A request body: a field the endpoint does not take is bad input, as an unknown query
+    parameter is. A typo (``dryrun`` for ``dry_run``) must not be ignored and the action
+    done as if it had not been asked."""
+
+    def to_internal_value(self, data: Any) -> Any:
+        if isinstance(data, Mapping):
+            why = f"unknown field for this endpoint (it takes {', '.join(self.fields)})"
+            unknown = {name: [why] for name in data if name not in self.fields}
+            if unknown:
+                raise serializers.ValidationError(unknown)
+        return super().to_internal_value(data)
+
+
+class Resolve(Body):
     """The body of ``POST reconciliation-issues/{id}/resolve/``."""
 
     comment = StrictCharField(
@@ -189,7 +204,7 @@ class Resolve(serializers.Serializer):
     )
 
 
-class RequeueDead(serializers.Serializer):
+class RequeueDead(Body):
     """The body of ``POST dead-jobs/requeue/``: which dead jobs (``requeue_dead``'s choice)."""
 
     ids = serializers.ListField(

@@ -27,7 +27,7 @@ from ops import tokens
 from ops.wsgi import ChunkedBodies
 from tests.conftest import REPO
 
-from .test_api import assert_error, call, make_dead_job
+from .test_api import assert_error, call, make_dead_job, make_issue
 
 pytestmark = pytest.mark.django_db
 
@@ -237,6 +237,59 @@ def test_requeue_body_fields_take_only_their_own_json_type(client, write_token, 
     data = assert_error(call(client, "POST", "dead-jobs/requeue/", write_token, body), 400)
     assert list(data["fields"]) == [field]
     assert Job.objects.get(pk=dead.pk).state == State.DEAD
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "body", "field"),
+    [
+        ("dead-jobs/requeue/", {"all": True, "dryrun": True}, "dryrun"),
+        ("dead-jobs/requeue/", {"kind": "test.echo", "lanes": "default"}, "lanes"),
+        ("reconciliation-issues/{issue}/resolve/", {"comment": "ok", "by": "me"}, "by"),
+    ],
+)
+def test_a_body_field_the_endpoint_does_not_take_is_refused_and_nothing_is_done(
+    client, write_token, endpoint, body, field
+):
+    """A typo is bad input: ``dryrun`` must not requeue every dead job for real."""
+    from ingestion.models import IssueStatus, ReconciliationIssue
+
+    dead = make_dead_job()
+    issue = make_issue()
+    path = endpoint.format(issue=issue.pk)
+    data = assert_error(call(client, "POST", path, write_token, body), 400, "invalid")
+    assert list(data["fields"]) == [field]
+    assert "unknown field" in data["fields"][field][0]
+    assert Job.objects.get(pk=dead.pk).state == State.DEAD
+    assert ReconciliationIssue.objects.get(pk=issue.pk).status == IssueStatus.OPEN
+
+
+@pytest.mark.parametrize(
+    "body",
+    ['{"all": false, "all": true}', '{"ids": [1], "kind": "a", "kind": "b"}'],
+    ids=["top-level", "later-key"],
+)
+def test_a_key_given_twice_is_refused_not_last_one_wins(client, write_token, body):
+    dead = make_dead_job()
+    response = client.post(
+        API + "dead-jobs/requeue/",
+        body,
+        content_type="application/json",
+        headers={"Authorization": f"Bearer {write_token}"},
+    )
+    data = assert_error(response, 400, "parse_error")
+    assert "more than once" in data["error"]
+    assert Job.objects.get(pk=dead.pk).state == State.DEAD
+
+
+@pytest.mark.parametrize("constant", ["NaN", "Infinity", "-Infinity"])
+def test_non_json_constants_are_refused(client, write_token, constant):
+    response = client.post(
+        API + "dead-jobs/requeue/",
+        '{"ids": [' + constant + "]}",
+        content_type="application/json",
+        headers={"Authorization": f"Bearer {write_token}"},
+    )
+    assert constant.lstrip("-") in assert_error(response, 400, "parse_error")["error"]
 
 
 def test_a_number_too_long_to_parse_is_named_without_python_internals(client, write_token):
