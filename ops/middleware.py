@@ -38,6 +38,9 @@ class JsonErrors:
                 return response
             response.content = json.dumps({"location": response["Location"]}).encode()
             response["Content-Type"] = "application/json"
+            # CommonMiddleware measured the empty body: a stale length would cut the body
+            # short (gunicorn) or leave its bytes to be read as the next response.
+            response["Content-Length"] = str(len(response.content))
             return response
         status = response.status_code
         if status == 404:

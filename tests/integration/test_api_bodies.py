@@ -337,6 +337,8 @@ def test_every_answer_is_json_whatever_debug_says(client, settings, write_token,
     assert moved.status_code == 301 and moved["Location"] == API + "queue/"
     assert moved["Content-Type"] == "application/json"
     assert json.loads(moved.content) == {"location": API + "queue/"}
+    # … whose length is the body's: a stale one (0) breaks keep-alive connections.
+    assert moved["Content-Length"] == str(len(moved.content))
 
 
 def test_a_failing_health_probe_is_one_warning_with_its_reasons(client, caplog):
