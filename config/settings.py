@@ -35,11 +35,20 @@ def env_bool(name: str, default: bool = False) -> bool:
     return word in TRUE_WORDS
 
 
+#: The most any ``…_SECONDS`` setting may be: a century, as every duration (jobs.durations).
+#: A larger one is accepted by ``float`` and then fails at run time, in a timedelta or a
+#: wait, long after the process started.
+SECONDS_MAXIMUM = durations.MAXIMUM.total_seconds()
+
+
 def env_number(
     name: str, default: float, *, positive: bool = False, maximum: float | None = None
 ) -> float:
     """A number from the environment: finite, not negative (``positive``: above 0), at
-    most ``maximum``; anything else is a one-line configuration error naming it."""
+    most ``maximum`` (for a ``…_SECONDS`` setting, at most ``SECONDS_MAXIMUM`` when none is
+    given); anything else is a one-line configuration error naming it."""
+    if maximum is None and name.endswith("_SECONDS"):
+        maximum = SECONDS_MAXIMUM
     value = os.environ.get(name)
     if value is None or value == "":
         return default
@@ -262,6 +271,9 @@ HOLDFAST_WORKER_RETENTION_SECONDS = env_number("HOLDFAST_WORKER_RETENTION_SECOND
 HOLDFAST_SPOOL_DIR = Path(os.environ.get("HOLDFAST_SPOOL_DIR", VAR_DIR / "spool"))
 # A malformed spool file is quarantined only once unchanged this long (docs/ingestion.md).
 HOLDFAST_SPOOL_SETTLE_SECONDS = env_number("HOLDFAST_SPOOL_SETTLE_SECONDS", 2)
+# The ingester stops (exit 1), and health/ fails, when a submission has waited in incoming/
+# longer than this (docs/ingestion.md, "When a file is overdue"); 0 turns the check off.
+HOLDFAST_SPOOL_GRACE_SECONDS = env_number("HOLDFAST_SPOOL_GRACE_SECONDS", 3600)
 # A spool batch holds at most this many bytes of submissions (besides 500 files, 20,000 facts).
 HOLDFAST_SPOOL_MAX_BATCH_BYTES = int(env_number("HOLDFAST_SPOOL_MAX_BATCH_BYTES", 32 * 1024 * 1024))
 # PostgreSQL role granted exactly the spool ingester's privileges by a migration (unset: none).

@@ -50,6 +50,7 @@ def refused(*args: str) -> str:
         (["show_job", "\u0663"], "not an id"),
         (["prune_jobs", "--older-than", "\u0661\u0664d"], "not a duration"),
         (["prune_jobs", "--older-than", " 14d"], "not a duration"),
+        (["prune_jobs", "--older-than", "1000000d"], "100 years"),
         (["create_ops_token", "t", "--scope", "read", "--expires-in", ""], "must not be empty"),
         (["create_ops_token", "t", "--scope", "read", "--expires-in", "3000000d"], "100 years"),
         (["runworker", "--burst", "--lanes", ""], "--lanes must not be empty"),

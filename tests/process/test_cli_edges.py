@@ -48,6 +48,11 @@ def test_bad_configuration_is_one_line_and_exit_2(tmp_path: Path) -> None:
         "LOG_FORMAT": ("xml", "LOG_FORMAT"),
         "DATABASE_URL": ("mysql://user@db.example/holdfast", "DATABASE_URL"),
         "HOLDFAST_VAR_DIR": (str(a_file / "var"), "HOLDFAST_VAR_DIR"),
+        # Accepted once, then failing at run time: an OverflowError every pass, a database
+        # error from a cut-off before year 1.
+        "HOLDFAST_WORKER_RETENTION_SECONDS": ("1e308", "HOLDFAST_WORKER_RETENTION_SECONDS"),
+        "HOLDFAST_RETAIN_DEAD": ("3000000d", "HOLDFAST_RETAIN_DEAD"),
+        "HOLDFAST_SPOOL_GRACE_SECONDS": ("-1", "HOLDFAST_SPOOL_GRACE_SECONDS"),
     }
     commands = [["queue_status"], ["runworker", "--burst"], ["migrate"]]
     running = []

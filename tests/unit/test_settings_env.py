@@ -1,10 +1,12 @@
 """The environment readers of config/settings.py: a value Holdfast cannot use is refused
 (ImproperlyConfigured: one line and exit 2 from every command), never guessed."""
 
+from pathlib import Path
+
 import pytest
 from django.core.exceptions import ImproperlyConfigured
 
-from config.settings import env_bool, env_number
+from config.settings import env_bool, env_duration, env_number
 
 
 @pytest.mark.parametrize("value", ["nan", "NaN", "inf", "-inf", "1e999"])
@@ -29,3 +31,46 @@ def test_flags_read_the_usual_words(monkeypatch, value, expected):
     monkeypatch.setenv("DJANGO_DEBUG", value)
     default = object()
     assert env_bool("DJANGO_DEBUG", default) is (default if expected is None else expected)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["HOLDFAST_WORKER_RETENTION_SECONDS", "HOLDFAST_SPOOL_GRACE_SECONDS", "HOLDFAST_X_SECONDS"],
+)
+def test_a_seconds_setting_is_at_most_a_century(monkeypatch, name):
+    """1e308 is finite, but no timedelta or wait holds it: refused at start, not an
+    OverflowError every pass of the worker's housekeeping."""
+    monkeypatch.setenv(name, "1e308")
+    with pytest.raises(ImproperlyConfigured, match=f"{name} must be at most 3.1536e\\+09"):
+        env_number(name, 1)
+    monkeypatch.setenv(name, str(100 * 365 * 86400))
+    assert env_number(name, 1) == 100 * 365 * 86400
+
+
+@pytest.mark.parametrize("value", ["1000000d", "3000000d", "5300w"])
+def test_a_retention_longer_than_a_century_is_refused(monkeypatch, value):
+    """Its cut-off would fall before year 1: a database error on every retention pass."""
+    monkeypatch.setenv("HOLDFAST_RETAIN_DEAD", value)
+    with pytest.raises(ImproperlyConfigured, match=r"HOLDFAST_RETAIN_DEAD: .* is too long"):
+        env_duration("HOLDFAST_RETAIN_DEAD", "90d")
+
+
+def test_the_spool_grace_is_read_from_the_environment(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "HOLDFAST_SPOOL_GRACE_SECONDS": "12", "HOLDFAST_VAR_DIR": str(tmp_path)}
+    read = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import config.settings as s; print(s.HOLDFAST_SPOOL_GRACE_SECONDS)",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=Path(__file__).resolve().parents[2],
+    )
+    assert read.stdout.strip() == "12.0"
