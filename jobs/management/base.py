@@ -79,6 +79,7 @@ class JobsCommand(BaseCommand):
             for action in parser._actions
         }
         parser.error = functools.partial(one_line_error, parser)  # type: ignore[method-assign]
+        refuse_repeats(parser)
         return parser
 
     def execute(self, *args: Any, **options: Any) -> str | None:
@@ -120,6 +121,54 @@ def one_line_error(parser: CommandParser, message: str) -> NoReturn:
     if not parser.called_from_command_line:
         raise CommandError(f"Error: {message}", returncode=2)
     parser.exit(2, f"{parser.prog}: error: {message} (see --help)\n")
+
+
+# Actions meant to be given more than once.
+REPEATABLE = (
+    argparse._AppendAction,
+    argparse._AppendConstAction,
+    argparse._CountAction,
+    argparse._HelpAction,
+    argparse._VersionAction,
+)
+
+
+def refuse_repeats(parser: CommandParser) -> None:
+    """An option given twice is a usage error, not "the last one wins": ``--scope write
+    --scope read`` must not quietly create a read token, nor ``--lane a --lane b`` enqueue
+    into ``b`` alone."""
+    given: set[str] = set()
+    for action in parser._actions:
+        if action.option_strings and not isinstance(action, REPEATABLE):
+            action.__class__ = _once(type(action))
+            action.given = given  # type: ignore[attr-defined]
+    parse_known_args = parser.parse_known_args
+
+    def parse_once(*args: Any, **kwargs: Any) -> Any:
+        given.clear()
+        return parse_known_args(*args, **kwargs)
+
+    parser.parse_known_args = parse_once  # type: ignore[method-assign]
+
+
+def _once(action: type[argparse.Action]) -> type[argparse.Action]:
+    class Once(action):  # type: ignore[valid-type,misc]
+        given: set[str]
+
+        def __call__(
+            self,
+            parser: argparse.ArgumentParser,
+            namespace: argparse.Namespace,
+            values: Any,
+            option_string: str | None = None,
+        ) -> None:
+            if self.dest in self.given:
+                parser.error(f"{'/'.join(self.option_strings)} given more than once")
+            self.given.add(self.dest)
+            super().__call__(parser, namespace, values, option_string)
+
+    Once.__name__ = f"Once{action.__name__}"
+    return Once
 
 
 def whole_number(text: str, what: str = "a whole number") -> int:

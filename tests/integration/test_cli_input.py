@@ -51,6 +51,13 @@ def refused(*args: str) -> str:
         (["prune_jobs", "--older-than", "\u0661\u0664d"], "not a duration"),
         (["prune_jobs", "--older-than", " 14d"], "not a duration"),
         (["prune_jobs", "--older-than", "1000000d"], "100 years"),
+        # An option given twice: never "the last one wins" (a read token for a write one).
+        (
+            ["create_ops_token", "t", "--scope", "write", "--scope", "read"],
+            "--scope given more than once",
+        ),
+        (["enqueue", "test.echo", "--lane", "a", "--lane", "b"], "--lane given more than once"),
+        (["requeue_dead", "--all", "--dry-run", "--dry-run"], "--dry-run given more than once"),
         (["create_ops_token", "t", "--scope", "read", "--expires-in", ""], "must not be empty"),
         (["create_ops_token", "t", "--scope", "read", "--expires-in", "3000000d"], "100 years"),
         (["runworker", "--burst", "--lanes", ""], "--lanes must not be empty"),
