@@ -355,6 +355,10 @@ SPECTACULAR_SETTINGS = {
     "SCHEMA_PATH_PREFIX": "/internal/v1",
     "SERVE_INCLUDE_SCHEMA": False,
     "COMPONENT_SPLIT_REQUEST": True,
+    "POSTPROCESSING_HOOKS": [
+        "drf_spectacular.hooks.postprocess_schema_enums",
+        "ops.schema.closed_request_bodies",
+    ],
 }
 
 # Full-text search over artifacts (ingestion/search.py). The PostgreSQL text-search
