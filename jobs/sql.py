@@ -98,6 +98,14 @@ def _columns(table: str) -> str:
     return ", ".join(f"{table}.{column.strip()}" for column in CLAIMED_COLUMNS.split(","))
 
 
+# SQLite returns the lease expiry as an expression, which has no declared type: its text
+# comes back as it is and ``_as_datetime`` reads it with ``fromisoformat``, instead of
+# Django's datetime converter running its regular expression on every claim.
+SQLITE_CLAIMED_COLUMNS = CLAIMED_COLUMNS.replace(
+    "lease_expires_at", "lease_expires_at || '' AS lease_expires_at"
+)
+
+
 # The claim, as CTEs. The walk reads only rows it could take, whatever waits:
 #
 # * lanes: the served lanes (the worker's list, or every lane with a runnable row: a loose
@@ -596,7 +604,7 @@ WHERE id = (
     ORDER BY head.priority DESC, head.run_at, head.id
     LIMIT 1
 )
-RETURNING {CLAIMED_COLUMNS}
+RETURNING {SQLITE_CLAIMED_COLUMNS}
 """
 
 # An idle worker's "when is my next job due?": the earliest run_at still ahead among
@@ -742,8 +750,11 @@ def lock_job_counts() -> None:
             cursor.execute("LOCK TABLE jobs_jobcount, jobs_outcomecount IN EXCLUSIVE MODE")
 
 
+@functools.cache
 def is_postgres() -> bool:
-    return connection.vendor == "postgresql"
+    """Is the engine's database PostgreSQL? Read once: the default database's settings are
+    the process's, and ``connection.vendor`` is a thread-local look-up on every call."""
+    return connections[DEFAULT_DB_ALIAS].vendor == "postgresql"
 
 
 def claim(
@@ -1563,7 +1574,7 @@ def _sqlite_immediate[T](body: Callable[[SqliteRun], T]) -> T:
 
     try:
         with db.wrap_database_errors:
-            if not db.get_autocommit():  # the caller's transaction: a savepoint of it
+            if not db.autocommit:  # the caller's transaction: a savepoint of it
                 with transaction.atomic():
                     return body(run)
             cursor.execute("BEGIN IMMEDIATE")
