@@ -13,6 +13,7 @@ from typing import Any
 from django.db import connection, transaction
 
 from . import engine, sql
+from .enqueueing import unstorable
 from .exceptions import Cancelled, LeaseLost, PermanentError
 from .log import get_logger
 from .sql import Claimed
@@ -222,9 +223,12 @@ class JobContext:
 
 def check_result(result: Any) -> None:
     """A job's result is stored as JSON (strict: no NaN or Infinity, which the database's
-    JSON refuses): anything else is the handler's bug, so a ``PermanentError`` (dead at
-    once, with this reason), never a retry that fails the same way ten times."""
+    JSON refuses; no NUL or unpaired surrogate, which PostgreSQL refuses): anything else is
+    the handler's bug, so a ``PermanentError`` (dead at once, with this reason, on both
+    databases), never a retry that fails the same way ten times, nor a refused settle."""
     try:
-        json.dumps(result, allow_nan=False)
+        text = json.dumps(result, allow_nan=False)
     except (TypeError, ValueError, RecursionError) as exc:
         raise PermanentError(f"the handler's result is not JSON: {exc}") from None
+    if ("\\u0000" in text or "\\ud" in text) and (problem := unstorable(result)):
+        raise PermanentError(f"the handler's result cannot be stored: its strings {problem}")

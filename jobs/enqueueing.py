@@ -475,13 +475,15 @@ def _args_json(args: Any) -> str:
         text = ARGS_ENCODER.encode(args)
     except (TypeError, ValueError) as exc:
         raise InvalidJob(f"job args are not JSON-serializable: {exc}") from None
-    if ("\\u0000" in text or "\\ud" in text) and (problem := _unstorable(args)):
+    if ("\\u0000" in text or "\\ud" in text) and (problem := unstorable(args)):
         raise InvalidJob(f"job args {problem}")
     return text
 
 
-def _unstorable(value: Any) -> str | None:
-    """Why a JSON value cannot be stored on every database (NUL, lone surrogates), or None."""
+def unstorable(value: Any) -> str | None:
+    """Why a JSON value cannot be stored on every database (NUL, lone surrogates), or None:
+    SQLite keeps them, PostgreSQL's jsonb refuses them, so a job that works on one would
+    fail on the other. Job args and handler results alike."""
     if isinstance(value, str):
         if "\x00" in value:
             return "contain a NUL character"
@@ -498,8 +500,8 @@ def _unstorable(value: Any) -> str | None:
         else ()
     )
     for key, item in items:
-        problem = _unstorable(key) if isinstance(key, str) else None
-        if problem := problem or _unstorable(item):
+        problem = unstorable(key) if isinstance(key, str) else None
+        if problem := problem or unstorable(item):
             return problem
     return None
 

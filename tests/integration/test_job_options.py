@@ -56,6 +56,17 @@ def inf_complete(ctx: JobContext) -> None:
         BLOCK_RAN.append(ctx.job_id)
 
 
+@handler("opt.nul_result", max_attempts=5, backoff=0)
+def nul_result(ctx: JobContext) -> dict[str, str]:
+    return {"text": "a\x00b"}
+
+
+@handler("opt.surrogate_complete", max_attempts=5, backoff=0)
+def surrogate_complete(ctx: JobContext) -> None:
+    with ctx.atomic(complete=True, result={"name": "\udcff"}):
+        BLOCK_RAN.append(ctx.job_id)
+
+
 HANDLER_OPTIONS = [
     ({"max_attempts": 0}, "max_attempts"),
     ({"max_attempts": 2.5}, "max_attempts"),
@@ -168,6 +179,23 @@ def test_a_result_that_is_not_strict_json_is_dead_at_once_with_the_reason(run_wo
     assert (job.state, job.attempts) == (State.DEAD, 1)
     assert "result is not JSON" in job.last_error
     assert BLOCK_RAN == []  # complete=True refused the result before its block ran
+
+
+@pytest.mark.parametrize(
+    ("kind", "problem"),
+    [("opt.nul_result", "a NUL character"), ("opt.surrogate_complete", "an unpaired surrogate")],
+)
+def test_a_result_postgresql_cannot_store_is_dead_at_once_on_both_databases(
+    run_worker, kind, problem
+):
+    """SQLite would keep a NUL or a lone surrogate that PostgreSQL refuses: the same
+    handler must end the same way on both, with the reason, not a refused settle."""
+    job = enqueue(kind)
+    run_worker()
+    job.refresh_from_db()
+    assert (job.state, job.attempts) == (State.DEAD, 1)
+    assert "result cannot be stored" in job.last_error and problem in job.last_error
+    assert BLOCK_RAN == []
 
 
 def test_task_options_have_the_same_bounds():
