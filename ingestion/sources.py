@@ -10,11 +10,9 @@ from __future__ import annotations
 
 import hashlib
 import math
-from datetime import UTC, datetime
 from typing import Any
 from urllib.parse import urlsplit
 
-from cronsim import CronSim, CronSimError
 from django.core.exceptions import ValidationError
 from django.core.validators import URLValidator, validate_slug
 from django.db import IntegrityError, transaction
@@ -23,6 +21,7 @@ from django.db.models.functions import Now
 from jobs import scheduler
 from jobs.exceptions import HoldfastError, InvalidJob
 from jobs.log import get_logger
+from jobs.options import cron_problem
 from jobs.schedules import Declared, schedule_provider
 from jobs.serialization import timestamp
 
@@ -118,11 +117,15 @@ def _validate(
         raise InvalidJob(f"not an http(s) URL: {url!r}") from None
     if len(url) > URL_MAX_LENGTH:
         raise InvalidJob(f"the URL must be at most {URL_MAX_LENGTH} characters")
-    if schedule is not None:
-        try:
-            CronSim(schedule, datetime.now(UTC))
-        except CronSimError as exc:
-            raise InvalidJob(f"bad cron schedule {schedule!r}: {exc}") from None
+    parts = urlsplit(url)
+    if parts.username is not None or parts.password is not None:
+        # They would be stored and shown in clear: list_sources, logs, page rows, issues.
+        raise InvalidJob(
+            "the URL must not hold a user name or password (it is shown in listings, logs "
+            "and issues); sources are fetched without credentials"
+        )
+    if schedule is not None and (problem := cron_problem(schedule)):
+        raise InvalidJob(f"bad cron schedule {schedule!r}: {problem}")
     if not (math.isfinite(spacing) and 0 <= spacing <= MAX_SPACING_SECONDS):
         raise InvalidJob(
             f"spacing must be from 0 to {MAX_SPACING_SECONDS:g} seconds, not {spacing!r}"

@@ -11,8 +11,10 @@ forever, on every worker, is a poison job no handler can fix).
 from __future__ import annotations
 
 import math
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
+
+from cronsim import CronSim, CronSimError
 
 from .retry import RetryPolicy
 
@@ -61,6 +63,25 @@ def every_problem(value: Any, name: str = "every") -> str | None:
     """An interval schedule's seconds: above 0, at most ``MAX_EVERY``."""
     if not is_number(value) or not 0 < value <= MAX_EVERY:  # also refuses NaN
         return f"{name} must be a number of seconds from 0 to {MAX_EVERY:g}, not {value!r}"
+    return None
+
+
+def cron_problem(expression: str) -> str | None:
+    """Why a cron expression is refused, or None: five fields (minute, hour, day of month,
+    month, day of week) that cronsim reads. cronsim also reads six, the first being
+    seconds (Quartz's order): ``0 3 * * * *`` would run at minute 3 of every hour, where a
+    reader of the usual five sees 03:00 and a sixth field (a year?). Refused, with the
+    interval form to use for runs under a minute."""
+    fields = len(expression.split())
+    if fields != 5:
+        return (
+            f"a cron expression has five fields (minute hour day-of-month month "
+            f"day-of-week), not {fields}; for intervals under a minute use 'every'"
+        )
+    try:
+        CronSim(expression, datetime.now(UTC))
+    except CronSimError as exc:
+        return str(exc)
     return None
 
 

@@ -15,7 +15,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
-from cronsim import CronSim, CronSimError
+from cronsim import CronSim
 from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
 
@@ -24,7 +24,7 @@ from . import lanes as lane_config
 from .enqueueing import UNIQUE_KEY_LENGTH
 from .exceptions import InvalidJob, LaneRefused, UnknownKind
 from .models import CatchUp, Schedule
-from .options import every_problem
+from .options import cron_problem, every_problem
 from .registry import all_handlers, get_handler
 
 
@@ -113,14 +113,11 @@ class Declared:
                 f"(at most {MAX_TIMEZONE_LENGTH} characters), not {self.timezone!r}"
             )
         try:
-            zone = ZoneInfo(self.timezone)
+            ZoneInfo(self.timezone)
         except (ZoneInfoNotFoundError, ValueError):
             raise ImproperlyConfigured(f"{where}: unknown timezone {self.timezone!r}") from None
-        if self.cron:
-            try:
-                CronSim(self.cron, datetime.now(zone))
-            except CronSimError as exc:
-                raise ImproperlyConfigured(f"{where}: bad cron {self.cron!r}: {exc}") from None
+        if self.cron and (problem := cron_problem(self.cron)):
+            raise ImproperlyConfigured(f"{where}: bad cron {self.cron!r}: {problem}")
 
     def definition(self) -> dict[str, Any]:
         """The fields a schedule row copies from its declaration."""

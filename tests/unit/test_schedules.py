@@ -68,6 +68,8 @@ def test_sub_second_intervals_catch_up_exactly():
         {"every": float("nan")},
         {"every": 1e300},
         {"cron": "61 * * * *"},
+        {"cron": "0 3 * * * *"},  # six fields: cronsim reads seconds first (minute 3 hourly)
+        {"cron": "*/10 * * * * *"},
         {"cron": "0 3 * * *", "every": 60},
         {},
         {"every": 0},
