@@ -2,7 +2,9 @@
 """Django's command-line utility for administrative tasks.
 
 Beyond Django's own: bad configuration (a setting Holdfast cannot use) is one line on
-stderr and exit 2, like any other bad input (DESIGN §8), not a traceback; and a closed
+stderr and exit 2, like any other bad input (DESIGN §8), not a traceback; a database
+error that reaches this far (Django's own commands, ``migrate`` or ``runserver``, against a
+server that is down) is one line and exit 1, as Holdfast's commands say it; and a closed
 pipe (``manage.py list_jobs | head``) ends the command quietly with exit 141, as a Unix
 tool killed by SIGPIPE would.
 """
@@ -10,6 +12,7 @@ tool killed by SIGPIPE would.
 import os
 import sys
 
+EXIT_FAILED = 1
 EXIT_BAD_INPUT = 2
 EXIT_BROKEN_PIPE = 128 + 13  # SIGPIPE
 
@@ -27,6 +30,7 @@ def main() -> None:
             "run .venv/bin/python manage.py ...)"
         ) from exc
     from django.conf import settings
+    from django.db import Error as DatabaseError
 
     try:
         settings.INSTALLED_APPS  # noqa: B018  (loads the settings: fail here, in one line)
@@ -35,6 +39,13 @@ def main() -> None:
         message = " ".join(str(exc).split()) or type(exc).__name__
         print(f"configuration error: {message}", file=sys.stderr)
         sys.exit(EXIT_BAD_INPUT)
+    except DatabaseError as exc:
+        if "--traceback" in sys.argv:
+            raise
+        lines = str(exc).strip().splitlines()
+        message = " ".join(lines[0].split()) if lines else type(exc).__name__
+        print(f"database error: {message}", file=sys.stderr)
+        sys.exit(EXIT_FAILED)
     except BrokenPipeError:
         # Whoever read our output stopped reading: say nothing more. Point stdout at
         # /dev/null so the interpreter's final flush does not fail again.

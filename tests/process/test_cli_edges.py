@@ -103,6 +103,31 @@ def test_bad_spool_paths_are_exit_2_in_one_line(worker_env: dict[str, str], tmp_
     assert "HOLDFAST_SPOOL_DIR" in err and "Not a directory" in err, err
 
 
+def test_django_commands_against_a_server_that_is_down_say_so_in_one_line(
+    tmp_path: Path,
+) -> None:
+    """migrate, showmigrations and the like are Django's own, not JobsCommand: a database
+    that does not answer was a page of traceback; now one line and exit 1."""
+    import socket
+
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = subprocess_env("", tmp_path)
+    env["DATABASE_URL"] = f"postgres://postgres@127.0.0.1:{port}/nowhere"
+    env["DJANGO_SETTINGS_MODULE"] = "config.settings"
+    running = [
+        start([sys.executable, MANAGE, *command], env)
+        for command in (["migrate"], ["showmigrations"])
+    ]
+    for process in running:
+        code, _, err = finish(process)
+        assert code == 1, (process.args, err)
+        assert len(err.strip().splitlines()) == 1, err
+        assert err.startswith("database error: ") and str(port) in err, err
+        assert "Traceback" not in err
+
+
 def test_a_closed_pipe_ends_a_command_quietly(worker_env: dict[str, str]) -> None:
     job = enqueueing.enqueue("test.echo")
     read_end, write_end = os.pipe()
