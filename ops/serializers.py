@@ -80,7 +80,9 @@ class StrictIntegerField(serializers.IntegerField):
         self.text = text
 
     def to_internal_value(self, data: Any) -> int:
-        digits = self.text and isinstance(data, str) and re.fullmatch(r"[0-9]{1,19}", data)
+        # A sign and any number of digits are a whole number: the bounds then say what is
+        # wrong with -1 or 10**20 ("greater than or equal to 1"), not "a whole number".
+        digits = self.text and isinstance(data, str) and re.fullmatch(r"-?[0-9]{1,100}", data)
         if isinstance(data, bool) or not (isinstance(data, int) or digits):
             self.fail("invalid")
         return super().to_internal_value(data)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
+from urllib.parse import parse_qsl
 
 from django.conf import settings
 from django.db import connection, transaction
@@ -79,6 +80,10 @@ class OpsView(APIView):
 
     def validated_query(self, request: Request) -> dict[str, Any]:
         known = list(self.query_serializer().fields) if self.query_serializer else []
+        try:  # Django decodes with replacement characters: %ff would read as "\ufffd"
+            parse_qsl(request.META.get("QUERY_STRING", ""), errors="strict")
+        except UnicodeDecodeError:
+            raise ValidationError({"query": ["the query string is not valid UTF-8"]}) from None
         errors: dict[str, list[str]] = {}
         for name in request.query_params:
             if name not in known:

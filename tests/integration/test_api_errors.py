@@ -182,3 +182,22 @@ def test_an_unknown_kind_or_lane_filter_is_refused_not_an_empty_page(read_token,
     body = {"data": json.dumps({"kind": "test.echo"}), "content_type": "application/json"}
     response = request("POST", API + "dead-jobs/requeue/", write_token, **body)
     assert response.status_code == 200 and response.json()["requeued"] == []
+
+
+@pytest.mark.parametrize(
+    ("query", "field", "says"),
+    [
+        ("kind=%ff", "query", "not valid UTF-8"),
+        ("q=caf%e9", "query", "not valid UTF-8"),
+        ("page=-1", "page", "greater than or equal to 1"),
+        ("page=0", "page", "greater than or equal to 1"),
+        ("page=" + "9" * 25, "page", "less than or equal to"),
+        ("page=1.5", "page", "whole number"),
+    ],
+)
+def test_a_bad_query_value_is_named_as_what_it_is(read_token, query, field, says):
+    """%ff is not read as U+FFFD (a filter on a replacement character); -1 is a whole
+    number below the bound, not "not a whole number"."""
+    data = assert_json_error(request("GET", API + f"dead-jobs/?{query}", read_token), 400)
+    assert data["code"] == "invalid"
+    assert says in data["fields"][field][0], data
