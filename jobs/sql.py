@@ -41,6 +41,7 @@ from django.db import (
     DEFAULT_DB_ALIAS,
     DatabaseError,
     IntegrityError,
+    OperationalError,
     connection,
     connections,
     transaction,
@@ -1243,6 +1244,26 @@ def lock_waits_bounded(seconds: float) -> Iterator[None]:
     finally:
         with connection.cursor() as cursor:
             cursor.execute(f"PRAGMA busy_timeout = {int(previous)}")
+
+
+def sqlite_busy_timeout(milliseconds: int) -> None:
+    """This thread's SQLite connection waits at most this long for the write lock (the
+    settings' 20 s otherwise)."""
+    with connection.cursor() as cursor:
+        cursor.execute(f"PRAGMA busy_timeout = {int(milliseconds)}")
+
+
+def sqlite_write_lock_free(seconds: float) -> bool:
+    """Could this connection take SQLite's write lock within ``seconds``? (Taken and given
+    back at once: an empty ``BEGIN IMMEDIATE`` … ``COMMIT``.)"""
+    try:
+        with lock_waits_bounded(seconds):
+            pass
+    except OperationalError as exc:
+        if "database is locked" in str(exc):
+            return False
+        raise
+    return True
 
 
 def _full(limits: Mapping[str, int]) -> list[str]:

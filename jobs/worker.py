@@ -98,6 +98,7 @@ class _KeeperState:
     next_schedule: float = 0.0
     schedule_backoff: float = 0.5
     subscriptions_seen: int = 0  # the listener's LISTENs already caught up on
+    next_frozen_check: float = 0.0  # SQLite: the next look for frozen lock holders
 
 
 class WorkerProcess:
@@ -362,7 +363,10 @@ class WorkerProcess:
 
     def _keeper_tick(self, listener: SideListener | None, state: _KeeperState) -> None:
         """One pass of the lease keeper: heartbeats first, then grace, reclaim, the
-        scheduler, and the LISTEN channels until the next beat (at most ``KEEPER_TICK``)."""
+        scheduler, and the LISTEN channels until the next beat (at most ``KEEPER_TICK``).
+        On SQLite, before all of these, the look for a frozen holder of the write lock."""
+        if not sql.is_postgres():
+            self._sqlite_frozen_holders(state)
         self._beat(state)
         with self._current_lock:
             current = self.current
@@ -374,6 +378,21 @@ class WorkerProcess:
         if self._scheduler is not None and time.monotonic() >= state.next_schedule:
             self._schedule_pass(state)
         self._listen(listener, state)
+
+    def _sqlite_frozen_holders(self, state: _KeeperState) -> None:
+        """SQLite: the keeper waits for the write lock no longer than its reclaim budget (a
+        quarter of its shortest lease), so that a stopped process holding the lock cannot
+        keep it from this look: every reclaim interval, a stopped worker of this host
+        whose lease expired is killed if the lock is not free
+        (``workers.end_frozen_holders``). Its job is then reclaimed as a dead worker's."""
+        budget = self._reclaim_budget_ms()
+        self._quietly(functools.partial(sql.sqlite_busy_timeout, budget))
+        now = time.monotonic()
+        if now < state.next_frozen_check:
+            return
+        state.next_frozen_check = now + float(settings.HOLDFAST_RECLAIM_SECONDS)
+        lock_free = functools.partial(sql.sqlite_write_lock_free, budget / 1000)
+        self._quietly(functools.partial(workers.end_frozen_holders, lock_free))
 
     def _beat(self, state: _KeeperState) -> None:
         """Renew the current job's lease when due (or asked), and the worker's row."""

@@ -1,22 +1,25 @@
 """The worker registry: one row per worker process, its heartbeat, and pruning of gone ones.
 
 Liveness (live/gone) is read by ``jobs.status.worker_liveness``; the process itself is
-``jobs.worker``.
+``jobs.worker``. On SQLite, also the one remedy for a worker frozen inside a transaction
+(``end_frozen_holders``).
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import socket
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
+from pathlib import Path
 
 from django.conf import settings
 from django.db.models.functions import Now
 
 from . import sql
 from .log import get_logger
-from .models import Worker
+from .models import Job, State, Worker
 
 log = get_logger("jobs.workers")
 
@@ -77,3 +80,87 @@ def prune_workers(retention_seconds: float | None = None, batch: int = 1000) -> 
     if deleted:
         log.info("workers_pruned", count=deleted, retention_s=retention_seconds)
     return deleted
+
+
+# --- SQLite: a worker frozen while it holds the write lock -------------------------------
+
+#: How much later than its worker row's ``started_at`` a process may have started and
+#: still be that worker (``/proc/stat``'s boot time is in whole seconds). A process that
+#: started later holds a reused pid: it is never signalled.
+START_SLACK_SECONDS = 2.0
+
+
+def end_frozen_holders(write_lock_free: Callable[[], bool]) -> list[str]:
+    """SQLite only: kill (SIGKILL) the workers of this host that are stopped (SIGSTOP, a
+    debugger: process state ``T``) with an expired lease, when the database's write lock
+    is not free (``write_lock_free()``, called only when there are such workers).
+
+    PostgreSQL ends a frozen session itself (``idle_in_transaction_session_timeout``);
+    SQLite has no server, and a process stopped inside a transaction holds its one write
+    lock until it is continued or killed: no reclaim, heartbeat or claim of any process
+    can commit meanwhile (I3). Killing it frees the lock at once and rolls its transaction
+    back; its job, whose lease expired, is then reclaimed as a dead worker's would be.
+    Only processes of this host (SQLite is one host's database) whose start matches their
+    worker row are signalled. Returns the ids of the workers killed."""
+    candidates = _stopped_with_expired_leases()
+    if not candidates or write_lock_free():
+        return []
+    killed = []
+    for worker_id, pid, jobs in candidates:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            continue  # gone meanwhile: its lock is free already
+        killed.append(worker_id)
+        log.error(
+            "frozen_worker_killed",
+            worker_id=worker_id,
+            pid=pid,
+            job_ids=jobs,
+            reason="stopped (SIGSTOP or a debugger) with an expired lease while the "
+            "database's write lock was held: SQLite has no server to end its transaction",
+        )
+    return killed
+
+
+def _stopped_with_expired_leases() -> list[tuple[str, int, list[int]]]:
+    """(worker id, pid, its expired jobs) of this host's stopped workers; a read only."""
+    expired: dict[str, list[int]] = {}
+    for job_id, worker_id in Job.objects.filter(
+        state=State.RUNNING, lease_expires_at__lt=Now()
+    ).values_list("pk", "leased_by"):
+        if worker_id:
+            expired.setdefault(worker_id, []).append(job_id)
+    if not expired:
+        return []
+    found = []
+    rows = Worker.objects.filter(
+        pk__in=list(expired), host=socket.gethostname(), stopped_at__isnull=True
+    ).values_list("pk", "pid", "started_at")
+    for worker_id, pid, started_at in rows:
+        if pid == os.getpid():
+            continue
+        process = process_state(pid)
+        if process is None:
+            continue
+        state, started = process
+        if state in ("T", "t") and started <= started_at.timestamp() + START_SLACK_SECONDS:
+            found.append((worker_id, pid, expired[worker_id]))
+    return found
+
+
+def process_state(pid: int) -> tuple[str, float] | None:
+    """A process's state letter (``R``, ``S``, ``T`` stopped, ``t`` traced…) and its start
+    as a Unix time, from ``/proc``; None if it is gone or there is no ``/proc`` (not
+    Linux: then nothing is ever signalled)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        boot = next(
+            int(line.split()[1])
+            for line in Path("/proc/stat").read_text().splitlines()
+            if line.startswith("btime ")
+        )
+    except (OSError, StopIteration, ValueError, IndexError):
+        return None
+    fields = stat[stat.rindex(")") + 2 :].split()  # after "pid (comm) "
+    return fields[0], boot + int(fields[19]) / os.sysconf("SC_CLK_TCK")

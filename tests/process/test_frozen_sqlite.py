@@ -1,0 +1,142 @@
+"""SQLite: a worker frozen (SIGSTOP, a debugger) inside ``ctx.atomic()`` holds the
+database's one write lock, and there is no server to end its transaction. The other
+workers' lease keepers find it (stopped, of this host, its lease expired, the lock not
+free) and kill it, so it never keeps its job or its locks waiting longer than two leases
+plus the reclaim interval (I3); its uncommitted block is rolled back, and the job is
+completed once (I4). Real worker processes. PostgreSQL ends such a session itself:
+test_frozen_workers.py.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from pathlib import Path
+
+import pytest
+from django.utils import timezone
+
+from jobs import enqueueing, workers
+from jobs.models import Job, JobLock, Outcome, State
+from tests.conftest import on_postgres
+from tests.process.helpers import assert_engine_invariants, job_summary, wait_for_marker
+from tests.support.workers import WorkerPool, wait_until
+from tests.testapp.models import Document, Effect
+
+pytestmark = [
+    pytest.mark.process,
+    pytest.mark.timeout(120),
+    pytest.mark.skipif(on_postgres(), reason="SQLite only: PostgreSQL ends a frozen session"),
+]
+
+LEASE = 3.0  # test.freezable's lease
+RECLAIM = 1.0  # HOLDFAST_RECLAIM_SECONDS of the test subprocesses
+BOUND = 2 * LEASE + RECLAIM
+SLACK = 4.0  # process scheduling on a loaded machine
+
+
+def test_a_worker_frozen_inside_ctx_atomic_is_killed_and_its_job_completed_once(
+    workers: WorkerPool, tmp_path: Path
+) -> None:
+    procs = [workers.start("w-a"), workers.start("w-b"), workers.start("w-c")]
+    document = Document.objects.create(
+        url="https://example.test/frozen", refresh_after=timezone.now()
+    )
+    marker = tmp_path / "attempt-1"
+    job = enqueueing.enqueue(
+        "test.freezable",
+        {
+            "document_id": document.pk,
+            "resources": ["frozen:1"],
+            "marker": str(marker),
+            "pause_in_block": 2 * LEASE,
+        },
+    )
+    wait_for_marker(Path(f"{marker}.in-block"), procs[0])
+    holder_name = Job.objects.get(pk=job.pk).leased_by
+    frozen = next(proc for proc in procs if proc.name == holder_name)
+    others = [proc for proc in procs if proc is not frozen]
+    frozen.stop()
+    frozen_at = time.monotonic()
+    others_jobs = [enqueueing.enqueue("test.echo", {"n": n}).pk for n in range(5)]
+
+    wait_until(
+        lambda: Job.objects.get(pk=job.pk).state == State.SUCCEEDED,
+        BOUND + SLACK,
+        interval=0.1,
+        message=lambda: f"not completed in time\n{job_summary([job.pk])}\n{workers.describe()}",
+    )
+    assert time.monotonic() - frozen_at <= BOUND + SLACK
+    assert frozen.wait_exit(10) == -signal.SIGKILL, frozen.describe()
+    killers = [
+        entry
+        for proc in others
+        for entry in proc.events("frozen_worker_killed")
+        if entry["worker_id"] == frozen.name
+    ]
+    assert len(killers) >= 1 and killers[0]["job_ids"] == [job.pk], killers
+    assert killers[0]["level"] == "error"
+
+    done = Job.objects.get(pk=job.pk)
+    assert done.lease_token == 2 and done.leased_by is None
+    assert done.leases.get(lease_token=1).outcome == Outcome.LEASE_EXPIRED
+    assert done.leases.get(lease_token=2).worker_id in {proc.name for proc in others}
+    assert not JobLock.objects.filter(job_id=job.pk).exists()
+    # The frozen block never committed: each effect once, by the second attempt.
+    effects = list(
+        Effect.objects.filter(job_id=job.pk).order_by("pk").values_list("label", "lease_token")
+    )
+    assert effects == [("progress", 2), ("complete", 2)], effects
+    assert Document.objects.get().refreshed == 1
+    wait_until(
+        lambda: all(
+            state == State.SUCCEEDED
+            for state in Job.objects.filter(pk__in=others_jobs).values_list("state", flat=True)
+        ),
+        20,
+        message=lambda: job_summary(others_jobs),
+    )
+    for proc in others:
+        assert proc.alive, proc.describe()
+        proc.terminate()
+        assert proc.wait_exit(20) == 0, proc.describe()
+    assert_engine_invariants(job_ids=[job.pk, *others_jobs], context=workers.describe())
+
+
+def test_a_stopped_worker_holding_no_lock_is_left_alone(
+    workers: WorkerPool, tmp_path: Path
+) -> None:
+    """Stopped between transactions (in its handler, outside any block): the lock is
+    free, the job is reclaimed as usual, and the process is not killed."""
+    procs = [workers.start("w-a"), workers.start("w-b")]
+    document = Document.objects.create(
+        url="https://example.test/stopped", refresh_after=timezone.now()
+    )
+    marker = tmp_path / "attempt-1"
+    job = enqueueing.enqueue(
+        "test.freezable",
+        {
+            "document_id": document.pk,
+            "resources": ["stopped:1"],
+            "marker": str(marker),
+            "pause_before": 2 * LEASE,
+        },
+    )
+    wait_for_marker(marker, procs[0])
+    frozen = next(proc for proc in procs if proc.name == Job.objects.get(pk=job.pk).leased_by)
+    frozen.stop()
+    wait_until(
+        lambda: Job.objects.get(pk=job.pk).state == State.SUCCEEDED,
+        BOUND + SLACK,
+        interval=0.1,
+        message=lambda: f"not completed in time\n{job_summary([job.pk])}\n{workers.describe()}",
+    )
+    assert frozen.alive and frozen._is_stopped()
+    assert not any(proc.events("frozen_worker_killed") for proc in procs)
+    assert workers_of_this_host_stopped(frozen.pid)
+    frozen.cont()
+
+
+def workers_of_this_host_stopped(pid: int) -> bool:
+    state = workers.process_state(pid)
+    return state is not None and state[0] in ("T", "t")
