@@ -4,7 +4,8 @@ inside a heartbeat never keeps its job, the job's resource locks or an operator'
 continued, its stale block and completion are refused (I2, I4). Real worker processes.
 
 PostgreSQL only: on SQLite a process frozen inside a transaction holds the database's one
-write lock until it is continued or killed (docs/architecture.md, "Frozen workers").
+write lock until another worker kills it (test_frozen_sqlite.py; docs/architecture.md,
+"Frozen workers").
 """
 
 from __future__ import annotations
