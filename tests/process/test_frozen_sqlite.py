@@ -35,23 +35,19 @@ BOUND = 2 * LEASE + RECLAIM
 SLACK = 4.0  # process scheduling on a loaded machine
 
 
+def _freezable(marker: Path, **pause: float) -> Job:
+    """A ``test.freezable`` job whose first attempt writes ``marker`` and pauses so."""
+    document = Document.objects.create(url="https://example.test/f", refresh_after=timezone.now())
+    args = {"document_id": document.pk, "resources": ["frozen:1"], "marker": str(marker)}
+    return enqueueing.enqueue("test.freezable", {**args, **pause})
+
+
 def test_a_worker_frozen_inside_ctx_atomic_is_killed_and_its_job_completed_once(
     workers: WorkerPool, tmp_path: Path
 ) -> None:
     procs = [workers.start("w-a"), workers.start("w-b"), workers.start("w-c")]
-    document = Document.objects.create(
-        url="https://example.test/frozen", refresh_after=timezone.now()
-    )
     marker = tmp_path / "attempt-1"
-    job = enqueueing.enqueue(
-        "test.freezable",
-        {
-            "document_id": document.pk,
-            "resources": ["frozen:1"],
-            "marker": str(marker),
-            "pause_in_block": 2 * LEASE,
-        },
-    )
+    job = _freezable(marker, pause_in_block=2 * LEASE)
     wait_for_marker(Path(f"{marker}.in-block"), procs[0])
     holder_name = Job.objects.get(pk=job.pk).leased_by
     frozen = next(proc for proc in procs if proc.name == holder_name)
@@ -109,19 +105,8 @@ def test_a_stopped_worker_holding_no_lock_is_left_alone(
     """Stopped between transactions (in its handler, outside any block): the lock is
     free, the job is reclaimed as usual, and the process is not killed."""
     procs = [workers.start("w-a"), workers.start("w-b")]
-    document = Document.objects.create(
-        url="https://example.test/stopped", refresh_after=timezone.now()
-    )
     marker = tmp_path / "attempt-1"
-    job = enqueueing.enqueue(
-        "test.freezable",
-        {
-            "document_id": document.pk,
-            "resources": ["stopped:1"],
-            "marker": str(marker),
-            "pause_before": 2 * LEASE,
-        },
-    )
+    job = _freezable(marker, pause_before=2 * LEASE)
     wait_for_marker(marker, procs[0])
     frozen = next(proc for proc in procs if proc.name == Job.objects.get(pk=job.pk).leased_by)
     frozen.stop()
