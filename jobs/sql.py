@@ -41,7 +41,6 @@ from django.db import (
     DEFAULT_DB_ALIAS,
     DatabaseError,
     IntegrityError,
-    OperationalError,
     connection,
     connections,
     transaction,
@@ -1251,19 +1250,6 @@ def sqlite_busy_timeout(milliseconds: int) -> None:
     settings' 20 s otherwise)."""
     with connection.cursor() as cursor:
         cursor.execute(f"PRAGMA busy_timeout = {int(milliseconds)}")
-
-
-def sqlite_write_lock_free(seconds: float) -> bool:
-    """Could this connection take SQLite's write lock within ``seconds``? (Taken and given
-    back at once: an empty ``BEGIN IMMEDIATE`` … ``COMMIT``.)"""
-    try:
-        with lock_waits_bounded(seconds):
-            pass
-    except OperationalError as exc:
-        if "database is locked" in str(exc):
-            return False
-        raise
-    return True
 
 
 def _full(limits: Mapping[str, int]) -> list[str]:

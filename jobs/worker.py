@@ -383,16 +383,16 @@ class WorkerProcess:
         """SQLite: the keeper waits for the write lock no longer than its reclaim budget (a
         quarter of its shortest lease), so that a stopped process holding the lock cannot
         keep it from this look: every reclaim interval, a stopped worker of this host
-        whose lease expired is killed if the lock is not free
-        (``workers.end_frozen_holders``). Its job is then reclaimed as a dead worker's."""
+        whose lease expired is killed if it holds the lock (``workers.end_frozen_holders``).
+        Its job is then reclaimed as a dead worker's."""
         budget = self._reclaim_budget_ms()
         self._quietly(functools.partial(sql.sqlite_busy_timeout, budget))
         now = time.monotonic()
         if now < state.next_frozen_check:
             return
         state.next_frozen_check = now + float(settings.HOLDFAST_RECLAIM_SECONDS)
-        lock_free = functools.partial(sql.sqlite_write_lock_free, budget / 1000)
-        self._quietly(functools.partial(workers.end_frozen_holders, lock_free))
+        database = str(connection.settings_dict["NAME"])
+        self._quietly(functools.partial(workers.end_frozen_holders, database))
 
     def _beat(self, state: _KeeperState) -> None:
         """Renew the current job's lease when due (or asked), and the worker's row."""

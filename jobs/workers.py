@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import signal
 import socket
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from datetime import timedelta
 from pathlib import Path
 
@@ -90,23 +90,27 @@ def prune_workers(retention_seconds: float | None = None, batch: int = 1000) -> 
 START_SLACK_SECONDS = 2.0
 
 
-def end_frozen_holders(write_lock_free: Callable[[], bool]) -> list[str]:
-    """SQLite only: kill (SIGKILL) the workers of this host that are stopped (SIGSTOP, a
-    debugger: process state ``T``) with an expired lease, when the database's write lock
-    is not free (``write_lock_free()``, called only when there are such workers).
+def end_frozen_holders(database: str) -> list[str]:
+    """SQLite only: kill (SIGKILL) the worker of this host that holds the write lock of
+    ``database`` (per ``/proc/locks``) while it is stopped (SIGSTOP, a debugger: process
+    state ``T``) with an expired lease.
 
     PostgreSQL ends a frozen session itself (``idle_in_transaction_session_timeout``);
     SQLite has no server, and a process stopped inside a transaction holds its one write
     lock until it is continued or killed: no reclaim, heartbeat or claim of any process
     can commit meanwhile (I3). Killing it frees the lock at once and rolls its transaction
     back; its job, whose lease expired, is then reclaimed as a dead worker's would be.
-    Only processes of this host (SQLite is one host's database) whose start matches their
-    worker row are signalled. Returns the ids of the workers killed."""
+    Only the process the kernel names as the lock's holder is signalled, only a worker of
+    this host whose start matches its row; a stopped worker that holds nothing is left
+    alone. Returns the ids of the workers killed."""
     candidates = _stopped_with_expired_leases()
-    if not candidates or write_lock_free():
+    if not candidates:
         return []
+    holder = write_lock_holder(database)
     killed = []
     for worker_id, pid, jobs in candidates:
+        if pid != holder:
+            continue
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
@@ -117,10 +121,44 @@ def end_frozen_holders(write_lock_free: Callable[[], bool]) -> list[str]:
             worker_id=worker_id,
             pid=pid,
             job_ids=jobs,
-            reason="stopped (SIGSTOP or a debugger) with an expired lease while the "
-            "database's write lock was held: SQLite has no server to end its transaction",
+            reason="it held the database's write lock while stopped (SIGSTOP or a "
+            "debugger) with an expired lease: SQLite has no server to end its transaction",
         )
     return killed
+
+
+#: The byte of a SQLite WAL database's ``-shm`` file whose POSIX lock is the write lock
+#: (WALINDEX_LOCK_OFFSET 120, lock slot 0).
+WAL_WRITE_LOCK_BYTE = 120
+
+
+def write_lock_holder(database: str) -> int | None:
+    """The pid holding the WAL write lock of the SQLite file ``database``, from
+    ``/proc/locks``; None when nobody does, or it cannot be told (no ``/proc``)."""
+    try:
+        shm = os.stat(f"{database}-shm")
+        table = Path("/proc/locks").read_text()
+    except OSError:
+        return None
+    for line in table.splitlines():
+        fields = line.split()
+        if len(fields) < 8 or fields[1] != "POSIX" or fields[3] != "WRITE":
+            continue  # a waiter ("->"), a flock, a read lock
+        try:
+            major, minor, inode = fields[5].split(":")
+            first, last = int(fields[6]), int(fields[7]) if fields[7] != "EOF" else None
+            same_file = (int(major, 16), int(minor, 16), int(inode)) == (
+                os.major(shm.st_dev),
+                os.minor(shm.st_dev),
+                shm.st_ino,
+            )
+            pid = int(fields[4])
+        except ValueError:
+            continue
+        covers = first <= WAL_WRITE_LOCK_BYTE and (last is None or last >= WAL_WRITE_LOCK_BYTE)
+        if same_file and covers:
+            return pid
+    return None
 
 
 def _stopped_with_expired_leases() -> list[tuple[str, int, list[int]]]:

@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 from django.utils import timezone
 
-from jobs import enqueueing, workers
+from jobs import enqueueing
+from jobs import workers as workers_module
 from jobs.models import Job, JobLock, Outcome, State
 from tests.conftest import on_postgres
 from tests.process.helpers import assert_engine_invariants, job_summary, wait_for_marker
@@ -123,5 +124,34 @@ def test_a_stopped_worker_holding_no_lock_is_left_alone(
 
 
 def workers_of_this_host_stopped(pid: int) -> bool:
-    state = workers.process_state(pid)
+    state = workers_module.process_state(pid)
     return state is not None and state[0] in ("T", "t")
+
+
+def test_a_stopped_worker_is_not_killed_for_a_lock_another_process_holds(
+    workers: WorkerPool, tmp_path: Path
+) -> None:
+    """Stopped outside any transaction while another, healthy process holds the write
+    lock past the stopped worker's lease (a big enqueue_many, the ingester's commit):
+    the kernel names that process as the holder, so the stopped worker is left alone."""
+    import sqlite3
+
+    from django.db import connection
+
+    procs = [workers.start("w-a"), workers.start("w-b")]
+    marker = tmp_path / "attempt-1"
+    job = _freezable(marker, pause_before=4 * LEASE)
+    wait_for_marker(marker, procs[0])
+    frozen = next(proc for proc in procs if proc.name == Job.objects.get(pk=job.pk).leased_by)
+    frozen.stop()
+    holder = sqlite3.connect(connection.settings_dict["NAME"], isolation_level=None, timeout=5)
+    try:
+        holder.execute("BEGIN IMMEDIATE")
+        assert workers_module.write_lock_holder(connection.settings_dict["NAME"]) > 0
+        time.sleep(LEASE + 3 * RECLAIM)  # its lease expires; the others look three times
+        holder.execute("ROLLBACK")
+    finally:
+        holder.close()
+    assert frozen.alive and frozen._is_stopped()
+    assert not any(proc.events("frozen_worker_killed") for proc in procs)
+    frozen.cont()
