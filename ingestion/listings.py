@@ -354,7 +354,12 @@ def _feed(body: bytes, url: str, content_type: str) -> Listing:
     if tags > MAX_FEED_TAGS:  # feedparser's time grows with them: 400,000 nested tags, 15 s
         raise ListingError(f"{url}: a feed of {tags} tags (at most {MAX_FEED_TAGS} are read)")
     headers = {"content-location": url, "content-type": content_type or "application/xml"}
-    parsed = feedparser.parse(io.BytesIO(body), response_headers=headers)
+    try:
+        parsed = feedparser.parse(io.BytesIO(_charrefs_repaired(body)), response_headers=headers)
+    except (ValueError, UnicodeError, RecursionError, OverflowError) as exc:
+        # feedparser's own failures (not a SAXException it records): the page is refused
+        # with the reason, as any listing it cannot read, never a crashed discovery job.
+        raise ListingError(f"{url}: feedparser could not read it ({exc})") from None
     malformed: list[str] = []
     items = []
     for entry in parsed.entries:
@@ -365,7 +370,7 @@ def _feed(body: bytes, url: str, content_type: str) -> Listing:
         moment = entry["updated_parsed"] if "updated_parsed" in entry else None  # noqa: SIM401
         moment = moment or entry.get("published_parsed")
         lastmod = _canonical(_utc(moment)) if moment else ""
-        items.append(Item(link, lastmod, entry.get("title", "")))
+        items.append(Item(link, lastmod, feed_title(entry.get("title", ""))))
     links = parsed.feed.get("links", [])
     pages = [
         page
@@ -384,6 +389,33 @@ def _feed(body: bytes, url: str, content_type: str) -> Listing:
     )
     archived = any(link.get("rel") == "prev-archive" for link in links)
     return Listing(items, list(dict.fromkeys(pages)), malformed, defect, complete, archived)
+
+
+#: A numeric character reference (``&#55296;``, ``&#xD800;``), in a feed's bytes.
+CHARREF_BYTES = re.compile(rb"&#([xX][0-9a-fA-F]{1,16}|[0-9]{1,20});")
+MAX_TITLE_CHARS = 1000
+
+
+def _charrefs_repaired(body: bytes) -> bytes:
+    """References to code points XML has no character for (a lone surrogate ``&#xD800;``,
+    past U+10FFFF) kept as literal text: feedparser's ``chr()`` on them raised, and one
+    such entry failed the whole feed. As ``repaired`` does for sitemaps."""
+
+    def literal(match: re.Match[bytes]) -> bytes:
+        digits = match.group(1)
+        code = int(digits[1:], 16) if digits[:1] in (b"x", b"X") else int(digits)
+        return match.group(0) if _xml_char(code) else b"&amp;" + match.group(0)[1:]
+
+    return CHARREF_BYTES.sub(literal, body) if b"&#" in body else body
+
+
+def feed_title(title: Any) -> str:
+    """An entry's title as the database stores it on both databases: one line, no NUL
+    (PostgreSQL's text refuses it), no lone surrogate, at most ``MAX_TITLE_CHARS``."""
+    if not isinstance(title, str):
+        return ""
+    text = " ".join(title.replace("\x00", " ").split())
+    return text.encode("utf-8", "replace").decode("utf-8")[:MAX_TITLE_CHARS]
 
 
 # --- URLs and dates ----------------------------------------------------------------------

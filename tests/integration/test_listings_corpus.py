@@ -227,3 +227,24 @@ def test_a_feed_with_an_unknown_encoding_is_left_to_feedparsers_fallbacks():
     ).encode("iso-8859-1")
     listing = parse_listing(body, f"{B}/feed", "application/rss+xml")
     assert [item.url for item in listing.items] == [f"{B}/1"]
+
+
+@pytest.mark.parametrize(
+    "title",
+    ["bad &#xD800; ref", "&#55296;", "&#xDFFF;", "&#x110000;", "&#99999999999;", "NUL\x00 t"],
+)
+def test_one_entry_a_feed_reader_cannot_decode_costs_only_its_title(title):
+    """A reference to a lone surrogate or past U+10FFFF made feedparser's chr() raise, and
+    a NUL reached PostgreSQL's text: every run of the source failed on one entry."""
+    base = "https://feeds.example.org"
+    body = (
+        '<?xml version="1.0" encoding="utf-8"?><rss version="2.0"><channel><title>f</title>'
+        f"<item><title>{title}</title><link>{base}/one.html</link></item>"
+        f"<item><title>ok</title><link>{base}/two.html</link></item></channel></rss>"
+    ).encode()
+    listing = parse_listing(body, f"{base}/feed.xml", "application/rss+xml")
+    assert [item.url for item in listing.items] == [f"{base}/one.html", f"{base}/two.html"]
+    for item in listing.items:
+        assert "\x00" not in item.title
+        item.title.encode("utf-8")  # no lone surrogate
+    assert listing.items[1].title == "ok"
