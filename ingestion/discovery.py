@@ -332,6 +332,9 @@ def _read(source: Source, page: str) -> Listing | _Failure:
         return parse_listing(response.body, response.url, response.headers.get("content-type", ""))
     except ListingError as exc:
         return _Failure(str(exc), transient=False)
+    except Exception as exc:  # a parser's bug on this page: logged in full, the page failed
+        log.exception("listing_parser_failed", source=source.name, page=page)
+        return _Failure(f"{page}: the parser failed ({type(exc).__name__}: {exc})", False)
 
 
 def _unknown_pages(run_id: int, pages: list[str]) -> list[str]:
