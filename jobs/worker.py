@@ -134,6 +134,9 @@ class WorkerProcess:
         self._current_lock = threading.Lock()
         self.kinds: list[str] = []  # the kinds this worker has handlers for: all it claims
         self._after_outage = False  # main thread: a database step failed since last check
+        # SQLite: the keeper's looks for a stopped worker holding the write lock (and the
+        # registration's, before the keeper starts: a frozen holder would keep it waiting).
+        self._frozen_watch = workers.FrozenHolderWatch(float(settings.HOLDFAST_RECLAIM_SECONDS))
 
     # --- lifecycle ---------------------------------------------------------------------
 
@@ -156,10 +159,7 @@ class WorkerProcess:
             # A signal while the database is still unreachable stops the worker: it holds
             # nothing yet, so there is nothing to hand back.
             with contextlib.suppress(GaveUp):
-                self._with_db_retry(
-                    lambda: workers.register_worker(self.worker_id, self.lanes, self.kinds),
-                    give_up=lambda: self.stopping,
-                )
+                self._with_db_retry(self._register, give_up=lambda: self.stopping)
                 keeper.start()
                 self._loop()
         finally:
@@ -172,6 +172,18 @@ class WorkerProcess:
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
         return 0
+
+    def _register(self) -> None:
+        """Write this worker's row. On SQLite the wait for the write lock is the keeper's
+        reclaim budget, and each try first looks for a stopped worker holding it: a
+        worker started after another froze inside a transaction would otherwise wait on
+        it for ever, its own lease keeper not started yet."""
+        if sql.is_postgres():
+            workers.register_worker(self.worker_id, self.lanes, self.kinds)
+            return
+        self._quietly(self._end_frozen_holder)  # a read of /proc/locks when nobody holds it
+        with sql.lock_waits_bounded(self._reclaim_budget_ms() / 1000):
+            workers.register_worker(self.worker_id, self.lanes, self.kinds)
 
     @property
     def stopping(self) -> bool:
@@ -383,16 +395,20 @@ class WorkerProcess:
         """SQLite: the keeper waits for the write lock no longer than its reclaim budget (a
         quarter of its shortest lease), so that a stopped process holding the lock cannot
         keep it from this look: every reclaim interval, a stopped worker of this host
-        whose lease expired is killed if it holds the lock (``workers.end_frozen_holders``).
-        Its job is then reclaimed as a dead worker's."""
+        that holds the lock is killed once its lease expired, or, running no job, once it
+        was found so at two looks (``workers.FrozenHolderWatch``). Its job, if any, is
+        then reclaimed as a dead worker's."""
         budget = self._reclaim_budget_ms()
         self._quietly(functools.partial(sql.sqlite_busy_timeout, budget))
         now = time.monotonic()
         if now < state.next_frozen_check:
             return
         state.next_frozen_check = now + float(settings.HOLDFAST_RECLAIM_SECONDS)
-        database = str(connection.settings_dict["NAME"])
-        self._quietly(functools.partial(workers.end_frozen_holders, database))
+        self._quietly(self._end_frozen_holder)
+
+    def _end_frozen_holder(self) -> None:
+        """SQLite: one look of ``workers.FrozenHolderWatch`` at this database's lock."""
+        self._frozen_watch.check(str(connection.settings_dict["NAME"]))
 
     def _beat(self, state: _KeeperState) -> None:
         """Renew the current job's lease when due (or asked), and the worker's row."""

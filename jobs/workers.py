@@ -2,7 +2,7 @@
 
 Liveness (live/gone) is read by ``jobs.status.worker_liveness``; the process itself is
 ``jobs.worker``. On SQLite, also the one remedy for a worker frozen inside a transaction
-(``end_frozen_holders``).
+(``FrozenHolderWatch``).
 """
 
 from __future__ import annotations
@@ -10,11 +10,13 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import time
 from collections.abc import Sequence
 from datetime import timedelta
 from pathlib import Path
 
 from django.conf import settings
+from django.db.models import BooleanField, ExpressionWrapper, Q
 from django.db.models.functions import Now
 
 from . import sql
@@ -90,41 +92,98 @@ def prune_workers(retention_seconds: float | None = None, batch: int = 1000) -> 
 START_SLACK_SECONDS = 2.0
 
 
-def end_frozen_holders(database: str) -> list[str]:
-    """SQLite only: kill (SIGKILL) the worker of this host that holds the write lock of
-    ``database`` (per ``/proc/locks``) while it is stopped (SIGSTOP, a debugger: process
-    state ``T``) with an expired lease.
+class FrozenHolderWatch:
+    """SQLite only: kill (SIGKILL) a worker of this host that holds the write lock of the
+    database (per ``/proc/locks``) while it is stopped (SIGSTOP, a debugger: process state
+    ``T``), once it has kept it long enough to be frozen rather than paused.
 
     PostgreSQL ends a frozen session itself (``idle_in_transaction_session_timeout``);
     SQLite has no server, and a process stopped inside a transaction holds its one write
-    lock until it is continued or killed: no reclaim, heartbeat or claim of any process
-    can commit meanwhile (I3). Killing it frees the lock at once and rolls its transaction
-    back; its job, whose lease expired, is then reclaimed as a dead worker's would be.
-    Only the process the kernel names as the lock's holder is signalled, only a worker of
-    this host whose start matches its row; a stopped worker that holds nothing is left
-    alone. Returns the ids of the workers killed."""
-    candidates = _stopped_with_expired_leases()
-    if not candidates:
-        return []
-    holder = write_lock_holder(database)
-    killed = []
-    for worker_id, pid, jobs in candidates:
-        if pid != holder:
-            continue
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            continue  # gone meanwhile: its lock is free already
-        killed.append(worker_id)
-        log.error(
-            "frozen_worker_killed",
-            worker_id=worker_id,
-            pid=pid,
-            job_ids=jobs,
-            reason="it held the database's write lock while stopped (SIGSTOP or a "
-            "debugger) with an expired lease: SQLite has no server to end its transaction",
+    lock until it is continued or killed: no reclaim, heartbeat, claim or registration of
+    any process can commit meanwhile (I3). Killing it frees the lock at once and rolls its
+    transaction back; its job, if it had one, is then reclaimed as a dead worker's.
+
+    Long enough means: its lease expired (it was running a job: frozen inside
+    ``ctx.atomic()``), or, holding no job (frozen inside its claim, its worker row's
+    heartbeat, a reclaim), found stopped with the lock at two looks ``patience`` seconds
+    or more apart (the lease keepers look every reclaim interval). A stopped worker whose
+    lease is still live is left alone until it expires. Only the process the kernel names
+    as the lock's holder is signalled, only a worker of this host whose start matches its
+    row: a stopped process that is not a worker (a shell), or a stopped worker that holds
+    nothing, is left alone.
+    """
+
+    def __init__(self, patience: float) -> None:
+        self.patience = patience
+        self._suspect: tuple[int, float] | None = None  # (pid, process start)
+        self._suspect_since = 0.0  # monotonic: first found stopped with the lock
+
+    def check(self, database: str) -> list[str]:
+        """One look; returns the ids of the workers killed (none, or the holder's)."""
+        holder = write_lock_holder(database)
+        found = None
+        if holder is not None and holder != os.getpid():
+            found = _stopped_worker(holder)
+        if holder is None or found is None:
+            self._suspect = None
+            return []
+        worker_id, started = found
+        expires = ExpressionWrapper(Q(lease_expires_at__lt=Now()), output_field=BooleanField())
+        running = dict(
+            Job.objects.filter(state=State.RUNNING, leased_by=worker_id)
+            .annotate(expired=expires)
+            .values_list("pk", "expired")
         )
-    return killed
+        expired = [job_id for job_id, is_expired in running.items() if is_expired]
+        if expired:
+            reason = (
+                "it held the database's write lock while stopped (SIGSTOP or a debugger) "
+                "with an expired lease: SQLite has no server to end its transaction"
+            )
+            return _kill_holder(worker_id, holder, expired, reason)
+        if running:
+            return []  # frozen inside its job: killed once its lease expires
+        now = time.monotonic()
+        if self._suspect != (holder, started):
+            self._suspect, self._suspect_since = (holder, started), now
+            return []
+        if now - self._suspect_since < self.patience:
+            return []
+        reason = (
+            f"it held the database's write lock while stopped (SIGSTOP or a debugger), "
+            f"running no job, for {now - self._suspect_since:.0f} s: SQLite has no server "
+            "to end its transaction"
+        )
+        return _kill_holder(worker_id, holder, [], reason)
+
+
+def _stopped_worker(pid: int) -> tuple[str, float] | None:
+    """(worker id, process start) if ``pid`` is a stopped worker of this host whose start
+    matches its row (a reused pid started after the row was written); else None."""
+    process = process_state(pid)
+    if process is None or process[0] not in ("T", "t"):
+        return None
+    started = process[1]
+    rows = Worker.objects.filter(
+        pid=pid, host=socket.gethostname(), stopped_at__isnull=True
+    ).values_list("pk", "started_at")
+    matching = [
+        (started_at, worker_id)
+        for worker_id, started_at in rows
+        if started <= started_at.timestamp() + START_SLACK_SECONDS
+    ]
+    if not matching:
+        return None
+    return max(matching)[1], started  # the row it registered last
+
+
+def _kill_holder(worker_id: str, pid: int, job_ids: list[int], reason: str) -> list[str]:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        return []  # gone meanwhile: its lock is free already
+    log.error("frozen_worker_killed", worker_id=worker_id, pid=pid, job_ids=job_ids, reason=reason)
+    return [worker_id]
 
 
 #: The byte of a SQLite WAL database's ``-shm`` file whose POSIX lock is the write lock
@@ -159,32 +218,6 @@ def write_lock_holder(database: str) -> int | None:
         if same_file and covers:
             return pid
     return None
-
-
-def _stopped_with_expired_leases() -> list[tuple[str, int, list[int]]]:
-    """(worker id, pid, its expired jobs) of this host's stopped workers; a read only."""
-    expired: dict[str, list[int]] = {}
-    for job_id, worker_id in Job.objects.filter(
-        state=State.RUNNING, lease_expires_at__lt=Now()
-    ).values_list("pk", "leased_by"):
-        if worker_id:
-            expired.setdefault(worker_id, []).append(job_id)
-    if not expired:
-        return []
-    found = []
-    rows = Worker.objects.filter(
-        pk__in=list(expired), host=socket.gethostname(), stopped_at__isnull=True
-    ).values_list("pk", "pid", "started_at")
-    for worker_id, pid, started_at in rows:
-        if pid == os.getpid():
-            continue
-        process = process_state(pid)
-        if process is None:
-            continue
-        state, started = process
-        if state in ("T", "t") and started <= started_at.timestamp() + START_SLACK_SECONDS:
-            found.append((worker_id, pid, expired[worker_id]))
-    return found
 
 
 def process_state(pid: int) -> tuple[str, float] | None:

@@ -21,7 +21,7 @@ from jobs import workers as workers_module
 from jobs.models import Job, JobLock, Outcome, State
 from tests.conftest import on_postgres
 from tests.process.helpers import assert_engine_invariants, job_summary, wait_for_marker
-from tests.support.workers import WorkerPool, wait_until
+from tests.support.workers import WorkerPool, WorkerProc, wait_until
 from tests.testapp.models import Document, Effect
 
 pytestmark = [
@@ -155,3 +155,108 @@ def test_a_stopped_worker_is_not_killed_for_a_lock_another_process_holds(
     assert frozen.alive and frozen._is_stopped()
     assert not any(proc.events("frozen_worker_killed") for proc in procs)
     frozen.cont()
+
+
+# A worker stopped inside its own claim transaction while it runs no job: its lease keeper
+# thread is stopped with it, and the patched claim leaves the empty queue's BEGIN
+# IMMEDIATE open when it stops, holding the write lock.
+FREEZE_IN_IDLE_CLAIM = """
+import os, signal
+from pathlib import Path
+from django.core.management import call_command
+from jobs import sql
+
+marker = Path({marker!r})
+original = sql._sqlite_statements
+
+def statements(run, params, lane_filter, *, settle, claim):
+    result = original(run, params, lane_filter, settle=settle, claim=claim)
+    if claim and not settle and result[1] is None and not marker.exists():
+        marker.write_text("frozen")
+        os.kill(os.getpid(), signal.SIGSTOP)  # inside BEGIN IMMEDIATE, before COMMIT
+    return result
+
+sql._sqlite_statements = statements
+call_command("runworker", "--worker-id", "w-idle")
+"""
+
+
+def _freeze_idle_worker(workers: WorkerPool, tmp_path: Path) -> WorkerProc:
+    marker = tmp_path / "idle-frozen"
+    idle = workers.spawn_python("w-idle", FREEZE_IN_IDLE_CLAIM.format(marker=str(marker)))
+    wait_for_marker(marker, idle)
+    wait_until(idle._is_stopped, 10, message=idle.describe)
+    idle.stopped = True  # the pool continues it at teardown if it still lives
+    return idle
+
+
+def _killed(procs: list[WorkerProc], name: str) -> list[dict[str, object]]:
+    return [
+        e for proc in procs for e in proc.events("frozen_worker_killed") if e["worker_id"] == name
+    ]
+
+
+def test_an_idle_worker_frozen_inside_its_claim_is_killed(
+    workers: WorkerPool, tmp_path: Path
+) -> None:
+    """No job, so no lease to expire: the others' keepers find it stopped with the lock at
+    two looks a reclaim interval apart, and kill it; the queue goes on."""
+    procs = [workers.start("w-a"), workers.start("w-b")]
+    idle = _freeze_idle_worker(workers, tmp_path)
+    frozen_at = time.monotonic()
+    assert idle.wait_exit(2 * RECLAIM + 2 * LEASE + SLACK) == -signal.SIGKILL, idle.describe()
+    assert time.monotonic() - frozen_at <= 2 * RECLAIM + 2 * LEASE + SLACK
+    killers = _killed(procs, "w-idle")
+    assert killers and killers[0]["job_ids"] == [] and killers[0]["level"] == "error", killers
+    jobs = [enqueueing.enqueue("test.echo", {"n": n}).pk for n in range(3)]
+    wait_until(
+        lambda: all(
+            s == State.SUCCEEDED
+            for s in Job.objects.filter(pk__in=jobs).values_list("state", flat=True)
+        ),
+        20,
+        message=lambda: job_summary(jobs),
+    )
+    for proc in procs:
+        assert proc.alive, proc.describe()
+
+
+def test_a_worker_started_after_another_froze_holding_the_lock_kills_it(
+    workers: WorkerPool, tmp_path: Path
+) -> None:
+    """The only other worker is the frozen one, so no lease keeper runs: the new worker's
+    registration, which waits on the lock, looks for the holder itself."""
+    idle = _freeze_idle_worker(workers, tmp_path)
+    late = workers.start("w-late", wait_started=False)
+    late.wait_for_event("worker_started", timeout=4 * LEASE + SLACK)
+    assert idle.wait_exit(10) == -signal.SIGKILL, idle.describe()
+    assert _killed([late], "w-idle"), late.describe()
+    job = enqueueing.enqueue("test.echo", {"n": 1})
+    wait_until(
+        lambda: Job.objects.get(pk=job.pk).state == State.SUCCEEDED,
+        20,
+        message=lambda: job_summary([job.pk]) + late.describe(),
+    )
+
+
+def test_a_stopped_process_that_is_not_a_worker_is_left_alone(
+    workers: WorkerPool, tmp_path: Path
+) -> None:
+    """A stopped shell holding the lock is not a worker of this database: nobody kills it
+    (an operator's process is the operator's to end)."""
+    marker = tmp_path / "shell-frozen"
+    code = (
+        "import os, signal, sqlite3\nfrom pathlib import Path\nfrom django.db import connection\n"
+        "held = sqlite3.connect(connection.settings_dict['NAME'], isolation_level=None)\n"
+        "held.execute('BEGIN IMMEDIATE')\n"
+        f"Path({str(marker)!r}).write_text('x')\nos.kill(os.getpid(), signal.SIGSTOP)\n"
+    )
+    shell = workers.spawn_python("shell", code)
+    wait_for_marker(marker, shell)
+    wait_until(shell._is_stopped, 10, message=shell.describe)
+    shell.stopped = True
+    procs = [workers.start("w-a", wait_started=False)]
+    time.sleep(3 * RECLAIM + 2 * LEASE)
+    assert shell.alive and shell._is_stopped()
+    assert not _killed(procs, "shell")
+    shell.kill()
