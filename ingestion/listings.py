@@ -30,7 +30,7 @@ import html.entities
 import io
 import re
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from email.utils import parsedate_to_datetime
 from typing import Any
@@ -54,6 +54,10 @@ GZIP_CHUNK = 65_536  # bytes fed to the decoder at a time
 # work for its parser, which takes seconds per hundred thousand and no deadline stops.
 MAX_FEED_TAGS = 100_000
 URL_LENGTH = 2000  # bytes of UTF-8: the longest URL a listing may give (a longer one is skipped)
+# The sitemaps protocol's limit of one file (URLs of a sitemap, sitemaps of an index). A
+# page is committed in one transaction: a million-URL page would hold the database's write
+# lock (SQLite: every worker's) for minutes, so the URLs past it are not read.
+MAX_PAGE_URLS = 50_000
 
 
 class ListingError(HoldfastError, ValueError):
@@ -83,8 +87,37 @@ def parse_listing(body: bytes, url: str, content_type: str = "") -> Listing:
     """Read a sitemap index, a sitemap (XML or text), robots.txt, an Atom or RSS feed.
 
     ``content_type`` is the HTTP header: its charset is honoured (RFC 7303). Gzipped
-    bodies are inflated up to ``HOLDFAST_FETCH_MAX_BYTES``.
+    bodies are inflated up to ``HOLDFAST_FETCH_MAX_BYTES``. At most ``MAX_PAGE_URLS``
+    items and as many further pages are kept: a page that names more is read in part and
+    says so (its ``defect``).
     """
+    return _bounded(_parsed(body, url, content_type), url)
+
+
+def _bounded(listing: Listing, url: str) -> Listing:
+    """``listing`` with at most ``MAX_PAGE_URLS`` items and pages, its defect saying what
+    was left out."""
+    over = [
+        f"{len(named)} {what}"
+        for named, what in ((listing.items, "URLs"), (listing.pages, "listing pages"))
+        if len(named) > MAX_PAGE_URLS
+    ]
+    if not over:
+        return listing
+    cut = (
+        f"{url}: the page names {' and '.join(over)}; the first {MAX_PAGE_URLS:,} of each "
+        "are read (the sitemaps protocol's limit of one file)"
+    )
+    return replace(
+        listing,
+        items=listing.items[:MAX_PAGE_URLS],
+        pages=listing.pages[:MAX_PAGE_URLS],
+        defect="; ".join(part for part in (listing.defect, cut) if part),
+    )
+
+
+def _parsed(body: bytes, url: str, content_type: str) -> Listing:
+    """``parse_listing`` before its bound."""
     body = _inflated(body, url)
     if urlsplit(url).path.endswith("/robots.txt"):
         return _robots(body, url)

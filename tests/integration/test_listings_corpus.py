@@ -11,7 +11,7 @@ import feedparser
 import pytest
 from usp.tree import sitemap_from_str
 
-from ingestion.listings import ListingError, normalize_lastmod, parse_listing
+from ingestion.listings import MAX_PAGE_URLS, ListingError, normalize_lastmod, parse_listing
 
 B = "https://example.org"
 NS = 'xmlns="http://www.sitemaps.org/schemas/sitemap/0.9"'
@@ -88,6 +88,24 @@ def test_a_truncated_sitemap_keeps_the_urls_before_the_cut_and_says_so():
     assert [item.url for item in listing.items] == [f"{B}/a", f"{B}/b"]  # not the cut <c>
     assert "not well-formed" in listing.defect and "2 entries" in listing.defect
     assert parse_listing(SITEMAPS["clean"][0].encode(), f"{B}/s.xml").defect == ""
+
+
+def test_a_page_naming_more_than_the_protocols_50000_urls_is_read_in_part_and_says_so():
+    """One page commits in one transaction: its URLs are bounded as the protocol bounds a
+    sitemap file, so no page holds the write lock for minutes."""
+    urls = [f"{B}/doc/{n}" for n in range(MAX_PAGE_URLS + 2)]
+    listing = parse_listing("\n".join(urls).encode(), f"{B}/urls.txt")
+    assert [item.url for item in listing.items] == urls[:MAX_PAGE_URLS]
+    assert f"{MAX_PAGE_URLS + 2} URLs" in listing.defect and "50,000" in listing.defect
+    index = "".join(
+        f"<sitemap><loc>{B}/s/{n}.xml</loc></sitemap>" for n in range(MAX_PAGE_URLS + 1)
+    )
+    body = f'<?xml version="1.0"?><sitemapindex>{index}</sitemapindex>'
+    listing = parse_listing(body.encode(), f"{B}/index.xml")
+    assert len(listing.pages) == MAX_PAGE_URLS and listing.pages[-1] == f"{B}/s/49999.xml"
+    assert f"{MAX_PAGE_URLS + 1} listing pages" in listing.defect
+    exact = parse_listing("\n".join(urls[:MAX_PAGE_URLS]).encode(), f"{B}/urls.txt")
+    assert len(exact.items) == MAX_PAGE_URLS and exact.defect == ""
 
 
 def test_lastmod_values_are_validated_unparseable_ones_unknown():
