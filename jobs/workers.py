@@ -22,6 +22,7 @@ from django.db.models.functions import Now
 from . import sql
 from .log import get_logger
 from .models import Job, State, Worker
+from .status import worker_liveness
 
 log = get_logger("jobs.workers")
 
@@ -52,6 +53,34 @@ def register_worker(
     log.info("worker_started", worker_id=worker_id, lanes=list(lanes) if lanes else "all")
     sql.warn_if_jit()
     sql.analyze_if_never_analyzed()
+
+
+def live_twin(worker_id: str) -> str | None:
+    """What holds ``worker_id`` now, if another live process does; else None.
+
+    Two processes with one id would release each other's jobs (a worker gives back, after
+    an outage, the jobs leased to its id that it is not running) and mark each other
+    stopped. Live means: not stopped, its heartbeat younger than the live/gone rule's
+    ``stale_after`` (``jobs.status.worker_liveness``) and, on this host, its process still
+    running with a start that matches its row (a worker killed and restarted at once under
+    its fixed id is not its own twin)."""
+    row = (
+        Worker.objects.filter(
+            pk=worker_id, stopped_at__isnull=True, heartbeat_at__gte=worker_liveness().cutoff
+        )
+        .values("host", "pid", "started_at", "heartbeat_at")
+        .first()
+    )
+    if row is None:
+        return None
+    here = row["host"] == socket.gethostname()
+    if here:
+        process = process_state(row["pid"])
+        if row["pid"] == os.getpid() or process is None:
+            return None
+        if process[1] > row["started_at"].timestamp() + START_SLACK_SECONDS:
+            return None  # a later process reusing the pid
+    return f"pid {row['pid']} on host {row['host']}, its last heartbeat at {row['heartbeat_at']}"
 
 
 def worker_heartbeat(worker_id: str, current_job: int | None) -> None:

@@ -1,15 +1,31 @@
 from typing import Any
 
 from django.core.management.base import CommandParser
+from django.db import DatabaseError
 
 from jobs import lanes as lane_config
-from jobs import schedules
+from jobs import schedules, workers
 from jobs.log import json_logs
 from jobs.management.base import JobsCommand, bad_input
 from jobs.models import Worker
 from jobs.worker import WorkerProcess
 
 MAX_WORKER_ID = Worker._meta.get_field("id").max_length or 200
+
+
+def refuse_twin(worker_id: str) -> None:
+    """Exit 2 if a live worker already runs under ``worker_id`` (``workers.live_twin``).
+    A database that cannot answer is the worker's to wait out, not a usage error."""
+    try:
+        twin = workers.live_twin(worker_id)
+    except DatabaseError:
+        return
+    if twin is not None:
+        raise bad_input(
+            f"--worker-id {worker_id!r} is in use by a live worker ({twin}): two processes "
+            "with one id would give back each other's jobs; choose another id, or stop that "
+            "worker first"
+        )
 
 
 class Command(JobsCommand):
@@ -44,6 +60,8 @@ class Command(JobsCommand):
             len(worker_id) > MAX_WORKER_ID or not worker_id.isprintable()
         ):
             raise bad_input(f"--worker-id must be at most {MAX_WORKER_ID} printable characters")
+        if worker_id is not None:
+            refuse_twin(worker_id)
         if options["with_scheduler"]:
             # As runscheduler: a schedule that could never run is refused here, not a
             # failing scheduler pass (with its traceback) twice a second while jobs run.
