@@ -157,12 +157,19 @@ def interrupted(job: Claimed, failure: Failure, delay: float) -> Verdict:
 
 
 def storable(value: Any) -> Any:
-    """``value`` with NUL characters escaped: PostgreSQL text and jsonb cannot hold them.
+    """``value`` with NUL characters and lone surrogates escaped (``\\x00``, ``\\udcff``):
+    PostgreSQL text and jsonb cannot hold them, and no UTF-8 log line or database can hold
+    a lone surrogate (``os.listdir`` gives one for every undecodable byte of a file name).
 
     An error message is evidence for the operator; it must be stored, not refused.
     """
     if isinstance(value, str):
-        return value.replace("\x00", "\\x00")
+        value = value.replace("\x00", "\\x00")
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return value.encode("utf-8", "backslashreplace").decode("utf-8")
+        return value
     if isinstance(value, dict):
         return {storable(str(key)): storable(item) for key, item in value.items()}
     if isinstance(value, list | tuple):

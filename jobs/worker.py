@@ -307,10 +307,10 @@ class WorkerProcess:
             # worker's own shutdown never raises into the handler (SIGTERM and SIGINT set
             # a flag), so whatever arrives here is the handler's, and a failed attempt.
             failure = engine.Failure(
-                error_class=_class_path(exc),
-                message=str(exc),
-                traceback=_handler_traceback(exc),
-                context=bound_context(),
+                error_class=engine.storable(_class_path(exc)),
+                message=engine.storable(_description(exc)),
+                traceback=engine.storable(_handler_traceback(exc)),
+                context=engine.storable(bound_context()),
                 permanent=isinstance(exc, PermanentError | UnknownKind),
             )
             if isinstance(exc, DatabaseError) and sql.fault(exc) is not None:
@@ -790,5 +790,18 @@ def _class_path(exc: BaseException) -> str:
     )
 
 
+def _description(exc: BaseException) -> str:
+    """``str(exc)``, or what stopped it: an exception's ``__str__`` is the handler's code
+    too, and may raise."""
+    try:
+        return str(exc)
+    except BaseException as failure:
+        try:
+            detail = f": {failure}"
+        except BaseException:
+            detail = ""
+        return f"(its str() raised {_class_path(failure)}{detail})"
+
+
 def _one_line(exc: BaseException) -> str:
-    return " ".join(str(exc).split()) or type(exc).__name__
+    return " ".join(_description(exc).split()) or type(exc).__name__

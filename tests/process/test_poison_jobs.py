@@ -17,7 +17,10 @@ from tests.support.workers import WorkerPool
 pytestmark = [pytest.mark.process, pytest.mark.timeout(60)]
 
 
-@pytest.mark.parametrize("kind", ["test.nul_result", "test.nul_error"])
+@pytest.mark.parametrize(
+    "kind",
+    ["test.nul_result", "test.nul_error", "test.surrogate_error", "test.unprintable_error"],
+)
 def test_a_job_whose_outcome_cannot_be_stored_does_not_crash_the_worker(
     workers: WorkerPool, kind: str
 ) -> None:
@@ -34,3 +37,24 @@ def test_a_job_whose_outcome_cannot_be_stored_does_not_crash_the_worker(
     assert recorded.exists() and not recorded.filter(outcome=Outcome.RUNNING).exists()
     # The worker went on to the next job.
     assert Job.objects.get(pk=after.pk).state == State.SUCCEEDED, burst.describe()
+
+
+def test_an_error_that_cannot_describe_itself_is_still_recorded(workers: WorkerPool) -> None:
+    """The operator sees why it failed: the class, and the message as far as it can be
+    told (a lone surrogate escaped; a ``__str__`` that raises named as such)."""
+    surrogate, unprintable = enqueue("test.surrogate_error"), enqueue("test.unprintable_error")
+    burst = workers.command("runworker", "--burst", "--worker-id", "burst", timeout=30)
+    assert burst.returncode == 0, burst.describe()
+    for job in (surrogate, unprintable):
+        job.refresh_from_db()
+        assert job.state == State.DEAD, job_summary([job.pk])
+    assert Job.objects.get(pk=surrogate.pk).last_error == (
+        "ValueError: cannot read report-\\udcff.json"
+    )
+    lease = Lease.objects.filter(job_id=unprintable.pk).latest("lease_token")
+    assert lease.error_class == "tests.testapp.handlers.Unprintable"
+    assert (
+        lease.error_message
+        == "(its str() raised RuntimeError: this exception cannot describe itself)"
+    )
+    assert "raise Unprintable()" in lease.traceback

@@ -113,6 +113,23 @@ def nul_error(ctx: JobContext) -> None:
     raise ValueError("unparseable header: \x00\x01")
 
 
+@handler("test.surrogate_error", backoff=0, max_attempts=2)
+def surrogate_error(ctx: JobContext) -> None:
+    """Fails naming a file as os.listdir gives an undecodable name: a lone surrogate."""
+    raise ValueError("cannot read " + os.fsdecode(b"report-\xff.json"))
+
+
+class Unprintable(Exception):
+    def __str__(self) -> str:
+        raise RuntimeError("this exception cannot describe itself")
+
+
+@handler("test.unprintable_error", backoff=0, max_attempts=2)
+def unprintable_error(ctx: JobContext) -> None:
+    """Fails with an exception whose ``str()`` raises."""
+    raise Unprintable()
+
+
 @handler("test.cancellable", backoff=0)
 def cancellable(ctx: JobContext, *, seconds: float = 30.0, marker: str = "") -> str:
     """Works in small steps, committing progress, until done or asked to cancel."""
