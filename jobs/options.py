@@ -24,6 +24,9 @@ MAX_ATTEMPTS_LIMIT = 1_000_000
 MAX_LEASE_SECONDS = 86_400.0
 MAX_DELAY = timedelta(days=365 * 100)
 MAX_EVERY = 100 * 365 * 86400.0  # seconds: an interval schedule runs at least once a century
+# Seconds: an interval schedule runs at most ten times a second (the scheduler passes twice
+# a second); below a microsecond the interval would be zero, and the scheduler divides by it.
+MIN_EVERY = 0.1
 MAX_LANE_NAME = 100  # the job row's lane column (which also bounds the lane-slot lock names)
 
 
@@ -60,9 +63,11 @@ def lane_problem(value: Any) -> str | None:
 
 
 def every_problem(value: Any, name: str = "every") -> str | None:
-    """An interval schedule's seconds: above 0, at most ``MAX_EVERY``."""
-    if not is_number(value) or not 0 < value <= MAX_EVERY:  # also refuses NaN
-        return f"{name} must be a number of seconds from 0 to {MAX_EVERY:g}, not {value!r}"
+    """An interval schedule's seconds: from ``MIN_EVERY`` to ``MAX_EVERY``."""
+    if not is_number(value) or not MIN_EVERY <= value <= MAX_EVERY:  # also refuses NaN
+        return (
+            f"{name} must be a number of seconds from {MIN_EVERY:g} to {MAX_EVERY:g}, not {value!r}"
+        )
     return None
 
 

@@ -16,15 +16,22 @@ from collections.abc import Callable
 from datetime import datetime, timedelta
 from typing import Any
 
-from django.db import IntegrityError, InterfaceError, OperationalError, connection, transaction
+from django.db import (
+    DatabaseError,
+    IntegrityError,
+    InterfaceError,
+    OperationalError,
+    connection,
+    transaction,
+)
 from django.db.models import F
 from django.db.models.functions import Now
 
 from . import engine, enqueueing, retention
-from .exceptions import HoldfastError, StateConflict
+from .exceptions import HoldfastError, LaneFull, StateConflict
 from .log import get_logger
 from .models import CatchUp, Job, Schedule
-from .schedules import catch_up, declared, next_slot, slot_key
+from .schedules import catch_up, declared, enqueue_problem, next_slot, slot_key
 
 log = get_logger("jobs.scheduler")
 
@@ -82,14 +89,37 @@ def _add(name: str, definition: dict[str, Any], now: datetime) -> None:
     log.info("schedule_added", schedule=name, next_due_at=due.isoformat())
 
 
-def tick(now: datetime | None = None, between: Callable[[], None] | None = None) -> list[int]:
+def tick(
+    now: datetime | None = None,
+    between: Callable[[], None] | None = None,
+    unserved: set[int] | None = None,
+) -> list[int]:
     """Enqueue the job of every due slot; returns the ids of the jobs enqueued. ``between``
-    runs after each slot (the lease keeper's heartbeat, in ``runworker --with-scheduler``)."""
+    runs after each slot (the lease keeper's heartbeat, in ``runworker --with-scheduler``).
+
+    A schedule this process cannot enqueue (its kind or lane unknown here: a scheduler of
+    another version, during a rolling deploy) is left due, not advanced, for a scheduler
+    that can: its slot is not spent on a refusal. A schedule whose slot cannot be computed
+    (its row holds a timing no longer accepted) is left so too, with its error logged, and
+    the others still tick. Either way its primary key joins ``unserved`` (logged once).
+    """
     now = now or engine.db_now()
+    unserved = set() if unserved is None else unserved
     due = Schedule.objects.filter(declared=True, paused=False, next_due_at__lte=now)
     enqueued = []
-    for pk in due.values_list("pk", flat=True):
-        job_id = _advance(pk, now)
+    for row in due.exclude(pk__in=unserved).only("pk", "name", "kind", "lane"):
+        if problem := enqueue_problem(row):
+            unserved.add(row.pk)
+            log.warning("schedule_not_served_here", schedule=row.name, error=problem)
+            continue
+        try:
+            job_id = _advance(row.pk, now)
+        except DatabaseError:
+            raise  # an outage: the caller's to retry
+        except Exception:
+            unserved.add(row.pk)
+            log.exception("schedule_failed", schedule=row.name)
+            continue
         if job_id is not None:
             enqueued.append(job_id)
         if between is not None:
@@ -186,7 +216,7 @@ def run_now(name: str, actor: str = "operator") -> Job:
         row.kind, row.args, lane=row.lane, unique_key=f"schedule:{name}:manual"
     )
     if job is None:
-        raise HoldfastError(f"the lane of schedule {name!r} is full and drops new jobs")
+        raise LaneFull(f"the lane of schedule {name!r} is full and drops new jobs")
     log.info("schedule_run_now", schedule=name, job_id=job.pk, by=actor)
     return job
 
@@ -221,6 +251,7 @@ class SchedulerLoop:
         self.stop = stop or threading.Event()
         self.retention = retention.Retention()
         self._synced = False
+        self.unserved: set[int] = set()  # schedules this process cannot tick (``tick``)
 
     def run(self) -> None:
         delay = 0.5
@@ -255,10 +286,11 @@ class SchedulerLoop:
         if reclaim:
             engine.reclaim_expired()
         now = engine.db_now()
-        tick(now, between)
+        tick(now, between, self.unserved)
         self.retention.run_if_due(time.monotonic(), between)  # built-in retention, batched
         upcoming = (
             Schedule.objects.filter(declared=True, paused=False)
+            .exclude(pk__in=self.unserved)
             .order_by("next_due_at")
             .values_list("next_due_at", flat=True)
             .first()

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import Any, Protocol
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 from cronsim import CronSim
@@ -202,7 +202,18 @@ def check_runnable() -> None:
         raise ImproperlyConfigured(f"{found[0]}{more}")
 
 
-def enqueue_problem(item: Declared, routable: bool = True) -> str | None:
+class Routed(Protocol):
+    """What enqueue needs to route a schedule's job: a ``Declared`` or a ``Schedule`` row."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def kind(self) -> str: ...
+    @property
+    def lane(self) -> str | None: ...
+
+
+def enqueue_problem(item: Routed, routable: bool = True) -> str | None:
     """Why this process could not enqueue the schedule's job, or None.
 
     Enqueue looks the kind up in this process's registry (``UnknownKind`` otherwise), so a
@@ -276,7 +287,7 @@ def slots_after(cron: str, every: float | None, timezone: str, anchor: datetime)
     """Iterate the schedule's slots strictly after ``anchor`` (aware datetimes, UTC)."""
     if cron:
         local = anchor.astimezone(ZoneInfo(timezone))
-        for slot in CronSim(cron, local):
+        for slot in CronSim(_fixed_times(cron), local):
             if slot > anchor:  # cronsim may yield the anchor minute itself
                 yield slot.astimezone(UTC)
         return
@@ -286,6 +297,20 @@ def slots_after(cron: str, every: float | None, timezone: str, anchor: datetime)
     while True:
         yield slot
         slot += step
+
+
+def _fixed_times(cron: str) -> str:
+    """``cron`` with a leading ``*/N`` of its minute or hour field spelled as the range it
+    means (``0-59/N``, ``0-23/N``). cronsim, as Debian's cron, treats a field that starts
+    with ``*`` as an interval and moves none of its slots across a DST change: ``*/30 2 * *
+    *`` in Europe/Berlin would not run on the spring-forward day and run four times on the
+    autumn one. Spelled as a range it is the fixed times ``0,30 2 * * *`` are, which run
+    once in the gap and once in the repeated hour, as documented."""
+    fields = cron.split()
+    for index, whole in ((0, "0-59"), (1, "0-23")):
+        if index < len(fields) and fields[index].startswith("*/"):
+            fields[index] = whole + fields[index][1:]
+    return " ".join(fields)
 
 
 def next_slot(cron: str, every: float | None, timezone: str, after: datetime) -> datetime:

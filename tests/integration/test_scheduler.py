@@ -3,11 +3,13 @@
 import json
 from datetime import UTC, datetime, timedelta
 from io import StringIO
+from zoneinfo import ZoneInfo
 
 import pytest
 from django.core.management import CommandError, call_command
 from django.test import override_settings
 from django.utils import timezone
+from structlog.testing import capture_logs
 
 from jobs import engine, enqueueing, operations, refresh, scheduler, schedules
 from jobs.models import Job, Schedule, State
@@ -241,3 +243,100 @@ def test_the_longest_schedule_name_enqueues_its_slots():
         [job_id] = scheduler.tick(at(2026, 11, 30, 10, 0, 1))
     key = Job.objects.get(pk=job_id).unique_key
     assert key == f"schedule:{name}:2026-11-30T10:00:00.623456+00:00" and len(key) == 242
+
+
+@override_settings(HOLDFAST_SCHEDULES={"sweep": SWEEP})
+def test_a_schedule_this_process_cannot_enqueue_is_left_due_for_one_that_can():
+    """A rolling deploy: a newer scheduler declared a schedule of a kind (or lane) this
+    older one does not know. Its slots are not spent on refusals here; the others tick."""
+    scheduler.sync(now=at(2026, 11, 30, 10))
+    Schedule.objects.create(
+        name="newer",
+        kind="test.only_in_the_next_release",
+        every=60,
+        timezone="UTC",
+        next_due_at=at(2026, 11, 30, 10, 1),
+        args={},
+        lane=None,
+    )
+    Schedule.objects.create(
+        name="new-lane",
+        kind="test.echo",
+        every=60,
+        timezone="UTC",
+        next_due_at=at(2026, 11, 30, 10, 1),
+        args={},
+        lane="lane-of-the-next-release",
+    )
+    unserved: set[int] = set()
+    with capture_logs() as logs:
+        for minute in (6, 11):
+            assert len(scheduler.tick(at(2026, 11, 30, 10, minute), unserved=unserved)) == 1
+    newer = Schedule.objects.filter(name__in=["newer", "new-lane"])
+    assert {row.next_due_at for row in newer} == {
+        at(2026, 11, 30, 10, 1)  # not advanced: the next release's scheduler runs them
+    }
+    assert unserved == set(newer.values_list("pk", flat=True))
+    warned = [e for e in logs if e["event"] == "schedule_not_served_here"]
+    assert sorted(e["schedule"] for e in warned) == ["new-lane", "newer"]  # once each
+    assert "test.only_in_the_next_release" in next(
+        e["error"] for e in warned if e["schedule"] == "newer"
+    )
+    assert [job.kind for job in jobs_of("sweep")] == ["test.noop", "test.noop"]
+    assert jobs_of("newer") == [] and jobs_of("new-lane") == []
+
+
+@override_settings(HOLDFAST_SCHEDULES={"sweep": SWEEP})
+def test_a_schedule_row_whose_slot_cannot_be_computed_does_not_stop_the_others():
+    scheduler.sync(now=at(2026, 11, 30, 10))
+    Schedule.objects.create(  # stored before its interval was refused: zero as a timedelta
+        name="tiny",
+        kind="test.echo",
+        every=1e-7,
+        timezone="UTC",
+        next_due_at=at(2026, 11, 30, 10),
+        args={},
+        lane=None,
+    )
+    with capture_logs() as logs:
+        assert len(scheduler.tick(at(2026, 11, 30, 10, 6))) == 1
+    assert [job.kind for job in jobs_of("sweep")] == ["test.noop"]
+    failed = [e for e in logs if e["event"] == "schedule_failed"]
+    assert [e["schedule"] for e in failed] == ["tiny"] and failed[0]["exc_info"], failed
+
+
+@override_settings(
+    HOLDFAST_LANES={
+        "default": {},
+        "tiny": {"kinds": ["test.echo"], "max_queued": 1, "on_full": "drop"},
+    },
+    HOLDFAST_SCHEDULES={"greet": {"kind": "test.echo", "every": 60, "lane": "tiny"}},
+)
+def test_run_now_into_a_full_dropping_lane_is_one_line_and_exit_1():
+    scheduler.sync(now=at(2026, 11, 30, 10))
+    enqueueing.enqueue("test.echo", {}, lane="tiny")
+    with pytest.raises(CommandError) as raised:
+        call_command("run_schedule_now", "greet", stdout=StringIO())
+    assert raised.value.returncode == 1
+    assert "the lane of schedule 'greet' is full" in str(raised.value)
+
+
+@pytest.mark.parametrize("cron", ["*/30 2 * * *", "0,30 2 * * *", "0-59/30 2 * * *"])
+def test_a_step_from_a_wildcard_keeps_the_dst_rule_of_fixed_times(cron):
+    """cronsim treats a field starting with ``*`` as an interval and would skip the gap
+    day and run the repeated hour twice; each spelling runs as the documented rule says."""
+    berlin = ZoneInfo("Europe/Berlin")
+
+    def local(start: datetime, count: int) -> list[str]:
+        slots = schedules.slots_after(cron, None, "Europe/Berlin", start)
+        return [next(slots).astimezone(berlin).isoformat() for _ in range(count)]
+
+    assert local(at(2026, 3, 28, 12), 2) == [  # 02:00 and 02:30 fall in the gap: one run
+        "2026-03-29T03:00:00+02:00",
+        "2026-03-30T02:00:00+02:00",
+    ]
+    assert local(at(2026, 10, 24, 12), 3) == [  # the repeated hour runs once
+        "2026-10-25T02:00:00+02:00",
+        "2026-10-25T02:30:00+02:00",
+        "2026-10-26T02:00:00+01:00",
+    ]

@@ -27,6 +27,8 @@ def schedule_errors() -> list[str]:
     [
         ({**GOOD, "timezone": None}, "'timezone' must be a timezone name"),
         ({"kind": "test.echo", "every": "abc"}, "'every' must be a number of seconds"),
+        # Zero as a timedelta: the scheduler would divide by it on every pass.
+        ({"kind": "test.echo", "every": 1e-7}, "'every' must be a number of seconds from 0.1"),
         ("oops", "its options must be a dict, not str"),
         ({**GOOD, "evry": 60}, "unknown: evry"),
         ({"every": 60}, "needs 'kind'"),
