@@ -140,3 +140,39 @@ def test_names_are_handed_out_in_short_lists_that_every_reader_shares() -> None:
     lists = handouts(names, 2)
     assert [name for chunk in lists for name in chunk] == names  # all, once, in order
     assert max(len(chunk) for chunk in lists) == HANDOUT_FILES
+
+
+def test_a_refused_string_is_named_by_its_path() -> None:
+    for text, says in (("a\x00b", "a NUL character"), ("a\udcffb", "a lone surrogate")):
+        document = copy.deepcopy(VALID)
+        document["facts"][1]["attributes"] = {"runs": [{"ok": "x"}, {"log": ["y", text]}]}
+        with pytest.raises(InvalidSubmission) as raised:
+            parse(json.dumps(document).encode(), Limits())
+        assert str(raised.value).endswith(
+            f"$.facts[1].attributes.runs[1].log[1] contains {says}"
+        ) or f"$.facts[1].attributes.runs[1].log[1] contains {says}" in str(raised.value)
+        document["facts"][1]["attributes"] = {f"name{text}": 1}
+        with pytest.raises(InvalidSubmission, match=r"\$\.facts\[1\]\.attributes contains"):
+            parse(json.dumps(document).encode(), Limits())
+
+
+def test_the_string_walk_does_not_grow_with_the_values_behind_one_long_name() -> None:
+    """Long attribute names over many values: a path string per value cost the path's
+    length times their number (200 MB for this 250 KB file)."""
+    import tracemalloc
+
+    document = copy.deepcopy(VALID)
+    document["facts"][0]["key"] = "\\u0041"
+    nested: Any = [0] * 20_000
+    for level in range(10):
+        nested = {str(level) * 1000: nested}  # names of the longest length allowed
+    document["facts"][0]["attributes"] = nested
+    raw = json.dumps(document).replace("\\\\u0041", "\\u0041").encode()
+    assert b"\\u" in raw
+    tracemalloc.start()
+    try:
+        parse(raw, Limits())
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 20_000_000, peak  # a path a value: 20,000 x 10,000 characters
