@@ -43,7 +43,7 @@ import stat
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -175,6 +175,7 @@ class Spool:
     def ensure(self) -> None:
         self.incoming.mkdir(parents=True, exist_ok=True)
         self.failed.mkdir(parents=True, exist_ok=True)
+        finish_claims(self)
 
     def listing(self) -> Iterator[os.DirEntry[str]]:
         """The entries of ``incoming/`` the ingester handles: ``*.json`` (no dot-files),
@@ -787,12 +788,63 @@ def quarantine(
         reason_path = target.with_name(target.name + REASON_SUFFIX)
         reason = json.dumps(reason_of(entry, issue_id), indent=2) + "\n"
         blobs.write_durably(reason_path, reason.encode())
-        os.rename(entry.name, target, src_dir_fd=directory)
+        # Taken out of incoming/ by a rename (atomic) before its identity is compared
+        # again: a file renamed over the name since the first look (a corrected
+        # submission) is put back, never quarantined under the old file's reason.
+        claim = claim_path(target)
+        os.rename(entry.name, claim, src_dir_fd=directory)
+        if not same_content(os.lstat(claim), entry.identity):
+            put_back(claim, directory, entry.name)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(reason_path)
+            return None
+        os.rename(claim, target)
         blobs.fsync_dir(spool.failed)
         return target
     finally:
         if incoming is None:
             os.close(directory)
+
+
+CLAIM_SUFFIX = ".claim"  # shorter than REASON_SUFFIX: a claim's name is never too long
+
+
+def claim_path(target: Path) -> Path:
+    """Where a file being quarantined to ``target`` waits while it is checked: a dot-file
+    of ``failed/``. A crash there leaves it so; ``finish_claims`` completes the move."""
+    return target.with_name(f".{target.name}{CLAIM_SUFFIX}")
+
+
+def same_content(info: os.stat_result, identity: Identity) -> bool:
+    """The file that was read, after a rename of it (which changed its ctime only)."""
+    now = Identity.of(info)
+    return replace(now, ctime_ns=identity.ctime_ns) == identity
+
+
+def put_back(claim: Path, incoming: int, name: str) -> None:
+    """Return a file taken by mistake to ``incoming/``: under its name unless another file
+    took that name meanwhile (``link`` never replaces), then under a new one."""
+    for candidate in itertools.chain([name], (f"{name}.{time.time_ns():x}.json" for _ in range(3))):
+        try:
+            os.link(claim, candidate, dst_dir_fd=incoming, follow_symlinks=False)
+        except FileExistsError:
+            continue
+        os.unlink(claim)
+        return
+    raise OSError(f"cannot put {claim} back into incoming/")
+
+
+def finish_claims(spool: Spool) -> None:
+    """Complete the quarantines a crash interrupted between their two renames: each
+    ``failed/.<name>.claim`` becomes ``failed/<name>``, beside its reason (at start-up)."""
+    for entry in os.scandir(spool.failed):
+        if not (entry.name.startswith(".") and entry.name.endswith(CLAIM_SUFFIX)):
+            continue
+        target = spool.failed / entry.name[1 : -len(CLAIM_SUFFIX)]
+        if not os.path.lexists(target):
+            os.rename(entry.path, target)
+            log.warning("submission_quarantine_finished", file=target.name)
+    blobs.fsync_dir(spool.failed)
 
 
 # --- the writer -----------------------------------------------------------------------

@@ -574,6 +574,40 @@ def test_a_file_being_written_in_place_is_not_quarantined_half_written(
     assert names(the_spool.failed) == []
 
 
+def test_a_file_corrected_while_its_quarantine_is_written_is_applied_not_quarantined(
+    db: None, the_spool: Spool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A corrected submission renamed over the bad one while the bad one's reason is
+    written: the move to failed/ is checked after the file is taken out of incoming/, so
+    the corrected file is put back and applied, and no reason is left behind (I6)."""
+    bad = the_spool.incoming / "x.json"
+    bad.write_text('{"schema": ')
+    corrected = the_spool.root / "x.json.tmp"
+    corrected.write_text(json.dumps(submission(key="corrected")))
+    original = spool.blobs.write_durably
+    replaced: list[Path] = []
+
+    def write_durably(path: Path, data: bytes) -> None:
+        if not replaced and path.name.endswith(spool.REASON_SUFFIX):
+            os.rename(corrected, bad)  # the operator's mv, mid-quarantine
+            replaced.append(path)
+        original(path, data)
+
+    monkeypatch.setattr(spool.blobs, "write_durably", write_durably)
+    progress = drain(the_spool, stuck_after=15)
+    assert replaced, "the quarantine did not write a reason"
+    assert (progress.applied, progress.quarantined) == (1, 0)
+    assert names(the_spool.failed) == [] and names(the_spool.incoming) == []
+    assert Fact.objects.filter(key="corrected").exists()
+
+
+def test_a_quarantine_a_crash_interrupted_is_finished_at_start(db: None, the_spool: Spool) -> None:
+    (the_spool.failed / ".bad.json.claim").write_text('{"schema": ')
+    (the_spool.failed / "bad.json.reason.json").write_text("{}")
+    the_spool.ensure()
+    assert names(the_spool.failed) == ["bad.json", "bad.json.reason.json"]
+
+
 def test_a_file_that_stays_malformed_is_quarantined_once_settled(
     db: None, the_spool: Spool
 ) -> None:
