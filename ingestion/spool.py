@@ -734,6 +734,19 @@ def quarantine_target(failed: Path, entry: Entry, issue_id: int | None) -> Path:
     raise AssertionError("unreachable")  # itertools.count() never ends
 
 
+# The largest reason file this ingester writes is a few hundred KB (its errors quoted,
+# non-ASCII escaped); a larger file beside a quarantine is not one of its reasons.
+MAX_REASON_BYTES = 4 * 1024 * 1024
+
+
+def _read_all(fd: int, size: int) -> bytes:
+    chunks = []
+    while size > 0 and (chunk := os.read(fd, size)):
+        chunks.append(chunk)
+        size -= len(chunk)
+    return b"".join(chunks)
+
+
 def own_reason(path: Path, entry: Entry, issue_id: int | None) -> bool:
     """Is ``path`` the reason this quarantine wrote before (same file, same issue)?"""
     try:
@@ -744,7 +757,10 @@ def own_reason(path: Path, entry: Entry, issue_id: int | None) -> bool:
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             return False
-        found = json.loads(os.read(fd, 64 * 1024))  # a reason is small; a submission not
+        size = os.fstat(fd).st_size
+        if size > MAX_REASON_BYTES:  # a reason quotes at most MAX_ERRORS errors; not this
+            return False
+        found = json.loads(_read_all(fd, size))
     except (OSError, ValueError):
         return False
     finally:

@@ -209,3 +209,22 @@ def test_an_invalid_worker_id_is_refused_before_anything_is_logged(worker_env):
     assert done.stderr.strip().splitlines() == [
         "CommandError: --worker-id is not valid UTF-8 text"
     ], done.stderr
+
+
+def test_an_unreadable_incoming_directory_is_one_line_and_exit_1(
+    tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from django.core.management.base import CommandError
+
+    from ingestion.spool import Spool
+
+    def denied(self: Spool) -> None:
+        raise PermissionError(13, "Permission denied", str(self.incoming))
+
+    monkeypatch.setattr(Spool, "listing", denied)
+    with pytest.raises(CommandError) as raised:
+        run("ingest_submissions", "--once", "--spool", str(tmp_path))
+    assert raised.value.returncode == 1
+    assert str(raised.value) == (
+        f"the spool cannot be read: {tmp_path / 'incoming'}: Permission denied"
+    )

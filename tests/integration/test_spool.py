@@ -783,6 +783,23 @@ def test_a_reason_left_by_a_crash_before_the_move_is_rewritten_not_orphaned(
     assert ReconciliationIssue.objects.count() == 1
 
 
+def test_a_large_reason_left_by_a_crash_is_still_known_as_this_quarantines(
+    db: None, the_spool: Spool, drop: Drop
+) -> None:
+    """A reason quoting many long errors (non-ASCII escaped) passes 64 KiB: it is read
+    whole, so it is still this quarantine's, not a name taken by someone else."""
+    drop("bad.json", b"not json")
+    entry = read_entry(the_spool, "bad.json", Limits())
+    assert entry is not None
+    reason = spool.reason_of(entry, 7)
+    reason["errors"] = ["\U0001f600" * 400] * 60  # about 186 KB once escaped
+    path = the_spool.failed / "bad.json.reason.json"
+    path.write_text(json.dumps(reason, indent=2))
+    assert path.stat().st_size > 64 * 1024
+    assert spool.own_reason(path, entry, 7)
+    assert not spool.own_reason(path, entry, 8)
+
+
 def test_a_fifo_where_a_reason_would_go_is_never_opened_for_reading(
     db: None, the_spool: Spool, drop: Drop
 ) -> None:

@@ -81,6 +81,9 @@ class Command(JobsCommand):
             raise failed(str(exc)) from None
         except RuntimeError as exc:
             raise failed(str(exc)) from None
+        except OSError as exc:  # incoming/ itself unreadable (its permissions, a lost mount)
+            where = exc.filename or spool.incoming
+            raise failed(f"the spool cannot be read: {where}: {exc.strerror or exc}") from None
         if options["as_json"]:
             self.emit_json(result)
             return
