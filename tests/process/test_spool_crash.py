@@ -276,3 +276,38 @@ def test_watching_applies_new_files_and_stops_cleanly_on_sigterm(
     assert run.wait_exit(timeout=10) == 0, run.describe()
     # The older submission was acked, but the newer facts stand.
     assert set(Fact.objects.values_list("submitted_at__hour", flat=True)) == {12}
+
+
+def test_the_readers_and_writer_die_with_a_killed_monitor(workers: WorkerPool, spool: Path) -> None:
+    """``kill -9`` of the command from a shell (no service manager to kill its group):
+    its children must not read and write on, holding connections, under no one."""
+    run = workers.spawn("watcher", "ingest_submissions", "--spool", str(spool), "--workers", "2")
+    run.wait_for_event("spool_ingester_started", timeout=20)
+
+    def children() -> list[int]:
+        found = []
+        for entry in Path("/proc").iterdir():
+            if entry.name.isdigit():
+                try:
+                    stat = (entry / "stat").read_text()
+                except OSError:
+                    continue
+                if int(stat[stat.rindex(")") + 2 :].split()[1]) == run.pid:
+                    found.append(int(entry.name))
+        return found
+
+    kids = wait_until(lambda: len(children()) >= 3 and children(), 10, message=run.describe)
+    run.kill()
+
+    def alive(pid: int) -> bool:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            return False
+        return state[state.rindex(")") + 2] != "Z"
+
+    wait_until(
+        lambda: not any(alive(pid) for pid in kids),
+        10,
+        message=lambda: f"still alive: {[pid for pid in kids if alive(pid)]}",
+    )

@@ -82,7 +82,7 @@ class Command(JobsCommand):
         except RuntimeError as exc:
             raise failed(str(exc)) from None
         except OSError as exc:  # incoming/ itself unreadable (its permissions, a lost mount)
-            where = exc.filename or spool.incoming
+            where = exc.filename or str(spool.incoming)
             raise failed(f"the spool cannot be read: {where}: {exc.strerror or exc}") from None
         if options["as_json"]:
             self.emit_json(result)
