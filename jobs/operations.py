@@ -13,6 +13,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 import psycopg
+from django.apps import apps
 from django.db import IntegrityError, OperationalError, connection, transaction
 from django.db.models import F, Q, QuerySet
 from django.db.models.functions import Now
@@ -86,7 +87,16 @@ def _seen(jobs: Q, *counts: QuerySet[Any]) -> bool:
 
 
 def is_task(path: str) -> bool:
-    """Is ``path`` the dotted path of a Django task function (``@task``)?"""
+    """Is ``path`` the dotted path of a Django task function (``@task``)?
+
+    Only a module of an installed app is imported to tell: the path comes from a filter
+    that any token holder or operator types, and importing ``this`` or ``antigravity``
+    runs their code."""
+    module = path.rpartition(".")[0]
+    if not any(
+        module == app.name or module.startswith(f"{app.name}.") for app in apps.get_app_configs()
+    ):
+        return False
     try:
         found = import_string(path)
     except (ImportError, ValueError):

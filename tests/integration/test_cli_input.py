@@ -228,3 +228,17 @@ def test_an_unreadable_incoming_directory_is_one_line_and_exit_1(
     assert str(raised.value) == (
         f"the spool cannot be read: {tmp_path / 'incoming'}: Permission denied"
     )
+
+
+def test_a_kind_filter_never_imports_a_module_outside_the_installed_apps() -> None:
+    """``--kind this.x`` used to import ``this`` (printing the Zen of Python) to see
+    whether it names a Django task; ``antigravity`` would start a browser."""
+    import sys
+
+    from jobs import operations
+
+    sys.modules.pop("this", None)
+    assert exit_code("requeue_dead", "--kind", "this.x") == 2
+    assert "this" not in sys.modules
+    assert operations.is_task("tests.testapp.tasks.add")
+    assert not operations.is_task("this.x") and not operations.is_task("nodots")
