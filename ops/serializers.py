@@ -206,6 +206,10 @@ class Resolve(Body):
     )
 
 
+REQUEUE_BATCH = 1000  # dead jobs one request requeues by default: well inside a timeout
+MAX_REQUEUE_BATCH = 5000
+
+
 class RequeueDead(Body):
     """The body of ``POST dead-jobs/requeue/``: which dead jobs (``requeue_dead``'s choice)."""
 
@@ -223,6 +227,23 @@ class RequeueDead(Body):
         required=False, default=False, help_text="every dead job (a body naming none: no job)"
     )
     dry_run = StrictBooleanField(required=False, default=False)
+    limit = StrictIntegerField(
+        text=False,
+        required=False,
+        default=REQUEUE_BATCH,
+        min_value=1,
+        max_value=MAX_REQUEUE_BATCH,
+        help_text="with `kind`, `lane` or `all`: at most this many of the chosen jobs, oldest "
+        "first (one request stays short); the answer's `more` says whether others are left",
+    )
+    after = StrictIntegerField(
+        text=False,
+        required=False,
+        min_value=0,
+        max_value=2**63 - 1,
+        help_text="with `kind`, `lane` or `all`: only jobs with a higher id (the previous "
+        "answer's `last_id`, to go on where it stopped)",
+    )
 
 
 # --- responses (schema only) -------------------------------------------------------------
@@ -278,6 +299,12 @@ class RequeueResponse(serializers.Serializer):
     requeued = serializers.ListField(child=serializers.IntegerField())
     dry_run = serializers.BooleanField()
     conflicts = serializers.ListField(child=RequeueConflict())
+    more = serializers.BooleanField(
+        help_text="a filter chose more dead jobs than `limit`: ask again with `after`"
+    )
+    last_id = serializers.IntegerField(
+        allow_null=True, help_text="the highest id this request looked at (for `after`)"
+    )
 
 
 class RequeueRefusedResponse(RequeueResponse):

@@ -16,10 +16,11 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from django.db import IntegrityError, transaction
+from django.db import IntegrityError, OperationalError, transaction
 from django.db.models.functions import Now
 from django.utils import timezone
 
+from jobs import sql
 from jobs.exceptions import HoldfastError, InvalidJob
 from jobs.log import get_logger
 from jobs.serialization import timestamp
@@ -132,8 +133,22 @@ def check(token: str) -> Verdict:
     if row.expires_at is not None and row.expires_at <= now:
         return Verdict(None, "expired", prefix)
     if row.last_used_at is None or now - row.last_used_at >= LAST_USED_RESOLUTION:
-        OpsToken.objects.filter(pk=row.pk).update(last_used_at=Now())
+        _touch(row.pk)
     return Verdict(Principal(name=row.name, scope=row.scope), prefix=prefix)
+
+
+LAST_USED_LOCK_WAIT = 0.5  # seconds: a busy database costs a request no more for it
+
+
+def _touch(pk: int) -> None:
+    """Record the token's use, if the database can take the write at once. It is
+    bookkeeping: a held write lock (SQLite) or row lock must not hold up the request it
+    serves (a cancel must answer within seconds), and the next request records it."""
+    try:
+        with sql.lock_waits_bounded(LAST_USED_LOCK_WAIT):
+            OpsToken.objects.filter(pk=pk).update(last_used_at=Now())
+    except OperationalError as exc:
+        log.info("token_last_used_not_recorded", token_pk=pk, error=" ".join(str(exc).split()))
 
 
 def authenticate(token: str) -> Principal | None:

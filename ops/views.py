@@ -207,7 +207,9 @@ class RequeueDeadView(OpsView):
         "unique key is held by a live job, or it is not dead) is listed in `conflicts` with "
         "the reason, and the others are requeued all the same: 200. Only when there were "
         "conflicts and nothing could be requeued: 409, with the same fields. `dry_run` "
-        "changes nothing.",
+        "changes nothing. A filter (`kind`, `lane`, `all`) requeues at most `limit` jobs "
+        "(default 1,000) a request, oldest first: while `more` is true, ask again with "
+        "`after` set to the answer's `last_id`.",
         request=RequeueDead,
         examples=[OpenApiExample("by kind", value={"kind": "photo.resize"}, request_only=True)],
         responses={
@@ -224,9 +226,16 @@ class RequeueDeadView(OpsView):
         ids = chosen.get("ids") or []
         kind, lane = chosen.get("kind"), chosen.get("lane")
         selected: list[Job] = []
+        more = False
         if ids or kind or lane or chosen["all"]:  # a body that names nothing chooses no job
-            selected = list(operations.dead_jobs(ids, kind=kind, lane=lane))
-            if not selected:  # as requeue_dead: an unknown kind or lane is bad input
+            dead = operations.dead_jobs(ids, kind=kind, lane=lane)
+            if not ids:  # a filter: one bounded batch, oldest first, from `after` on
+                limit = chosen["limit"]
+                selected = list(dead.filter(pk__gt=chosen.get("after", 0))[: limit + 1])
+                more, selected = len(selected) > limit, selected[:limit]
+            else:
+                selected = list(dead)
+            if not selected and not chosen.get("after"):  # an unknown kind or lane: bad input
                 check_filters(kind, lane)
         if ids:  # named jobs that are not dead are conflicts, reported with the rest
             found = {job.pk for job in selected}
@@ -242,6 +251,8 @@ class RequeueDeadView(OpsView):
             "requeued": report.requeued,
             "dry_run": chosen["dry_run"],
             "conflicts": report.conflicts,
+            "more": more,
+            "last_id": selected[-1].pk if selected else None,
         }
         if report.conflicts and not report.requeued:
             reasons = "; ".join(conflict["reason"] for conflict in report.conflicts[:3])
@@ -302,8 +313,9 @@ class CancelView(OpsView):
     )
     def post(self, request: Request, job_id: int) -> Response:
         refuse_body(request)
-        with transaction.atomic():
-            job = operations.cancel(job_id, actor=principal(request).name)
+        # No transaction around it: ``cancel`` bounds its own lock wait (on SQLite an
+        # outer one would wait the busy timeout, 20 s, for the write lock first).
+        job = operations.cancel(job_id, actor=principal(request).name)
         return Response(job_dict(job))
 
 

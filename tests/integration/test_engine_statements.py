@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
 
 import pytest
@@ -71,11 +72,39 @@ def test_after_an_outage_a_worker_gives_back_a_claim_it_never_heard_of(run_worke
     assert outcomes == [(1, Outcome.RELEASED), (2, Outcome.SUCCEEDED)]
 
 
+def _cancel_over_http() -> Callable[[int], object]:
+    """``POST jobs/{id}/cancel/``, raising StateConflict for its 409 as ``cancel`` does
+    (its token written now: a write would wait for the lock the test holds)."""
+    from django.test import Client
+
+    from ops import tokens
+
+    token = tokens.create("ops-bot", "write")[1]
+
+    def cancel(job_id: int) -> object:
+        response = Client().post(
+            f"/internal/v1/jobs/{job_id}/cancel/",
+            data="",
+            content_type="application/json",
+            headers={"Authorization": f"Bearer {token}"},
+        )
+        if response.status_code == 409:
+            raise StateConflict(response.json()["error"])
+        assert response.status_code == 200, response.content
+        return response
+
+    return cancel
+
+
 @pytest.mark.django_db(transaction=True)
-def test_cancel_answers_within_seconds_though_a_frozen_transaction_holds_the_job():
+@pytest.mark.parametrize(
+    "make_cancel", [lambda: operations.cancel, _cancel_over_http], ids=["cli", "api"]
+)
+def test_cancel_answers_within_seconds_though_a_frozen_transaction_holds_the_job(make_cancel):
     """A worker froze between its fence and its commit (PostgreSQL: it holds the job row;
     SQLite: the database's write lock): cancel_job waits a bounded time, then says the
     job is busy and changes nothing."""
+    cancel = make_cancel()
     enqueueing.enqueue("test.echo")
     claimed = claim_one()
     holding, release = threading.Event(), threading.Event()
@@ -95,7 +124,7 @@ def test_cancel_answers_within_seconds_though_a_frozen_transaction_holds_the_job
         assert holding.wait(5)
         started = time.monotonic()
         with pytest.raises(StateConflict, match="locked by an open transaction"):
-            operations.cancel(claimed.id)
+            cancel(claimed.id)
         assert time.monotonic() - started < 5
     finally:
         release.set()
