@@ -13,7 +13,7 @@ import math
 from typing import Any
 from urllib.parse import urlsplit
 
-from django.core.exceptions import ValidationError
+from django.core.exceptions import ImproperlyConfigured, ValidationError
 from django.core.validators import URLValidator, validate_slug
 from django.db import IntegrityError, transaction
 from django.db.models.functions import Now
@@ -94,7 +94,7 @@ def add_source(
         spacing=spacing,
         allow_private=allow_private,
     )
-    scheduler.sync()
+    scheduler.sync(origin="source")
     return source
 
 
@@ -169,7 +169,7 @@ def disable_source(name: str) -> Source:
         return source
     Source.objects.filter(pk=source.pk, enabled=True).update(enabled=False, disabled_at=Now())
     log.info("source_disabled", source=name)
-    scheduler.sync()
+    scheduler.sync(origin="source")
     return get_source(name)
 
 
@@ -211,14 +211,28 @@ def run_dict(run: DiscoveryRun) -> dict[str, Any]:
 
 @schedule_provider("sources")
 def source_schedules() -> list[Declared]:
-    """One discovery schedule per enabled source (cron in UTC)."""
-    return [
-        Declared(
-            name=schedule_name(source.name),
-            kind=DISCOVER_KIND,
-            cron=source.schedule,
-            args={"source": source.name},
-            origin="source",
-        )
-        for source in Source.objects.filter(enabled=True).order_by("name")
-    ]
+    """One discovery schedule per enabled source (cron in UTC). A source whose stored
+    schedule is no longer accepted (a six-field cron of an earlier release) is left out
+    and logged, so that it alone stops: every other schedule still syncs and runs."""
+    found = []
+    for source in Source.objects.filter(enabled=True).order_by("name"):
+        try:
+            found.append(
+                Declared(
+                    name=schedule_name(source.name),
+                    kind=DISCOVER_KIND,
+                    cron=source.schedule,
+                    args={"source": source.name},
+                    origin="source",
+                )
+            )
+        except ImproperlyConfigured as exc:
+            log.error(
+                "source_schedule_invalid",
+                source=source.name,
+                schedule=source.schedule,
+                error=str(exc),
+                hint=f"disable_source {source.name}, and add it again under a new name "
+                "with a five-field --schedule",
+            )
+    return found

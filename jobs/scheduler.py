@@ -44,17 +44,23 @@ class ScheduleNotFound(HoldfastError, LookupError):
     """No schedule has this name."""
 
 
-def sync(now: datetime | None = None) -> None:
+def sync(now: datetime | None = None, origin: str | None = None) -> None:
     """Make the schedule rows match the declarations, at start-up.
 
     New schedules wait for their next slot (no immediate run); a changed timing is
     recomputed from now; schedules no longer declared are marked so (kept, with their
-    history, never deleted silently).
+    history, never deleted silently). ``origin`` (e.g. ``"source"``, from
+    ``add_source``): only the schedules of that origin, so that a command run from a
+    shell with other settings leaves the rest as the schedulers declared them.
     """
     now = now or engine.db_now()
     wanted = declared()
+    rows_of = Schedule.objects.select_for_update()
+    if origin is not None:
+        wanted = {name: item for name, item in wanted.items() if item.origin == origin}
+        rows_of = rows_of.filter(origin=origin)
     with transaction.atomic():
-        rows = {row.name: row for row in Schedule.objects.select_for_update()}
+        rows = {row.name: row for row in rows_of}
         for name, declaration in wanted.items():
             definition = declaration.definition()
             row = rows.get(name)

@@ -178,3 +178,34 @@ def test_disabled_sources_are_not_scheduled():
     scheduler.sync(now=at(2026, 11, 30, 11))
     assert scheduler.tick(at(2026, 12, 1, 3, 0, 5)) == []
     assert discovery_jobs() == []
+
+
+def test_adding_a_source_syncs_only_the_sources_schedules(settings):
+    """``add_source`` from a shell whose settings differ from the schedulers' (no
+    HOLDFAST_SCHEDULES, another refresh interval) leaves every other schedule as the
+    schedulers declared it: undeclaring or retiming them would skip their runs."""
+    settings.HOLDFAST_SCHEDULES = {"nightly": {"kind": "test.echo", "cron": "0 3 * * *"}}
+    scheduler.sync()
+    before = {
+        row.name: (row.declared, row.every, row.next_due_at) for row in Schedule.objects.all()
+    }
+    settings.HOLDFAST_SCHEDULES = {}
+    settings.HOLDFAST_REFRESH_SECONDS = 60
+    sources.add_source("docs", "sitemap", URL)
+    sources.disable_source("docs")
+    after = {row.name: (row.declared, row.every, row.next_due_at) for row in Schedule.objects.all()}
+    assert {name: after[name] for name in before} == before
+    assert after["discover:docs"][0] is False
+
+
+def test_a_source_whose_stored_schedule_is_refused_stops_alone(settings):
+    """A six-field cron stored by an earlier release: that source's schedule is left out
+    (logged), and the scheduler still syncs and runs every other schedule."""
+    settings.HOLDFAST_SCHEDULES = {"nightly": {"kind": "test.echo", "cron": "0 3 * * *"}}
+    sources.add_source("good", "sitemap", URL)
+    sources.add_source("old", "sitemap", URL)
+    Source.objects.filter(name="old").update(schedule="0 3 * * * *")
+    scheduler.sync()
+    assert Schedule.objects.get(name="discover:good").declared
+    assert Schedule.objects.get(name="nightly").declared
+    assert not Schedule.objects.get(name="discover:old").declared
