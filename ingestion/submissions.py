@@ -405,6 +405,22 @@ def _check_string(value: str, path: str, limits: Limits) -> None:
         )
 
 
+# A fact's entity and key, in UTF-8 bytes together: PostgreSQL's unique index over (lab,
+# entity, key) refuses an entry past 2,704 bytes, which 200 + 500 characters of four bytes
+# each would pass. Below it, a valid submission is one both databases store.
+MAX_IDENTITY_BYTES = 2000
+
+
+def _check_identity_size(index: int, entity: str, key: str) -> None:
+    size = len(entity.encode("utf-8", "surrogatepass")) + len(key.encode("utf-8", "surrogatepass"))
+    if size > MAX_IDENTITY_BYTES:
+        raise InvalidSubmission(
+            "limits",
+            f"$.facts[{index}]: entity and key are {size} bytes of UTF-8 together, more than "
+            f"the limit of {MAX_IDENTITY_BYTES}",
+        )
+
+
 def parse_time(text: str) -> datetime:
     try:
         moment = timestamps.parse(text)
@@ -520,6 +536,8 @@ def _parse(raw: bytes, limits: Limits, hash: str | None) -> Submission:
                 f"$.facts[{index}]: entity {identity[0]!r} key {identity[1]!r} appears twice",
             )
         seen.add(identity)
+        if len(identity[0]) + len(identity[1]) > MAX_IDENTITY_BYTES // 4:  # else surely fits
+            _check_identity_size(index, *identity)
         rows.append(FactRow(fact["entity"], fact["key"], encode(fact["attributes"])))
     return Submission(
         hash=hash or digest(raw),

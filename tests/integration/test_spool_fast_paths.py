@@ -176,3 +176,16 @@ def test_the_string_walk_does_not_grow_with_the_values_behind_one_long_name() ->
     finally:
         tracemalloc.stop()
     assert peak < 20_000_000, peak  # a path a value: 20,000 x 10,000 characters
+
+
+def test_an_identity_no_unique_index_could_hold_is_a_limits_error() -> None:
+    """200 + 500 characters of four UTF-8 bytes each pass the schema's lengths, and
+    PostgreSQL's unique index over (lab, entity, key) refuses them (2,800 bytes past its
+    2,704): the submission is refused alike on both databases, naming the limit."""
+    document = copy.deepcopy(VALID)
+    document["facts"][0].update(entity="\U00010000" * 200, key="\U00010000" * 500)
+    with pytest.raises(InvalidSubmission) as raised:
+        parse(json.dumps(document).encode(), Limits())
+    assert raised.value.stage == "limits" and "entity and key are 2800 bytes" in str(raised.value)
+    document["facts"][0].update(entity="e" * 200, key="\U00010000" * 450)  # 2,000 bytes
+    assert parse(json.dumps(document).encode(), Limits()).facts[0].entity == "e" * 200

@@ -751,3 +751,14 @@ def test_a_file_name_that_is_not_utf8_is_quarantined_not_fatal(
     assert names(the_spool.failed) == [name, f"{name}.reason.json"]
     assert reason(the_spool, name)["stage"] == "file"
     assert ReconciliationIssue.objects.get().subject == "bad-\ufffd.json"
+
+
+def test_the_longest_identity_the_limits_allow_is_stored_on_both_databases(
+    db: None, the_spool: Spool
+) -> None:
+    body = submission(key="\U00010000" * 450)
+    body["facts"][0]["entity"] = "e" * 200  # 2,000 bytes together: the limit
+    (the_spool.incoming / "long.json").write_text(json.dumps(body))
+    progress = drain(the_spool, stuck_after=15)
+    assert (progress.applied, progress.quarantined) == (1, 0)
+    assert Fact.objects.get().key == "\U00010000" * 450
