@@ -58,6 +58,7 @@ from .spool import (
     Rate,
     Spool,
     Writer,
+    current_dir,
     open_dir,
     read_outcome,
     settle_seconds,
@@ -268,6 +269,7 @@ def _reader_main(
                 continue
             if chunk is None:
                 return
+            directory = current_dir(spool.incoming, directory)  # one stat a handout
             found: list[bytes] = []
             size = 0
             reports: list[Outcome] = []

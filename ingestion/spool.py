@@ -244,6 +244,23 @@ def open_dir(path: Path) -> int:
     return os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
 
 
+def current_dir(path: Path, fd: int) -> int:
+    """``fd`` if it is still the directory at ``path``, else a descriptor of the one there
+    now (``fd`` closed): ``incoming/`` moved aside and made again while the ingester runs
+    must not leave a reader looking for the names the monitor lists in the new one, in
+    the old one, for ever."""
+    try:
+        now = os.stat(path)
+    except FileNotFoundError:
+        return fd  # gone: the monitor's scan says so
+    held = os.fstat(fd)
+    if (now.st_dev, now.st_ino) == (held.st_dev, held.st_ino):
+        return fd
+    os.close(fd)
+    log.warning("spool_incoming_replaced", directory=str(path))
+    return open_dir(path)
+
+
 # --- reading (no database) ------------------------------------------------------------
 
 
@@ -1507,6 +1524,7 @@ def drain(
             now = time.monotonic()
             if monitor.scan_due(now):
                 monitor.scan(now)
+                directory = current_dir(spool.incoming, directory)
             while writer.accepting:
                 if held is None:
                     taken = monitor.take(1)

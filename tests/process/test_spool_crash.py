@@ -311,3 +311,28 @@ def test_the_readers_and_writer_die_with_a_killed_monitor(workers: WorkerPool, s
         10,
         message=lambda: f"still alive: {[pid for pid in kids if alive(pid)]}",
     )
+
+
+def test_an_incoming_directory_moved_aside_and_made_again_is_followed(
+    workers: WorkerPool, spool: Path
+) -> None:
+    """The readers held the old ``incoming/`` open: each file the monitor found in the new
+    one was "gone" in the old one, round and round, until the stuck rule fired."""
+    run = workers.spawn(
+        "watcher", "ingest_submissions", "--spool", str(spool), "--workers", "1",
+        "--stuck-after", "8", env={"HOLDFAST_SPOOL_SETTLE_SECONDS": "0"},
+    )  # fmt: skip
+    run.wait_for_event("spool_ingester_started", timeout=20)
+    drop(spool, "before.json", submission(1))
+    wait_until(lambda: IngestedSubmission.objects.count() == 1, 15, message=run.describe)
+    (spool / "incoming").rename(spool / "incoming.old")
+    (spool / "incoming").mkdir()
+    drop(spool, "after.json", submission(2))
+    wait_until(
+        lambda: IngestedSubmission.objects.count() == 2,
+        15,
+        message=lambda: f"after.json was not applied\n{run.describe()}",
+    )
+    assert files(spool, "incoming") == {}
+    run.terminate()
+    assert run.wait_exit(timeout=10) == 0, run.describe()
