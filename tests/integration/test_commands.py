@@ -76,6 +76,16 @@ def test_list_jobs_filters():
     assert "test.fail" in run("list_jobs")
 
 
+def test_list_jobs_shows_each_last_error_on_one_short_line():
+    job = enqueueing.enqueue("test.fail")
+    for _ in range(3):
+        engine.fail(claim_one(), failure("line one\nline two " + "x" * 70_000), backoff_seconds=0)
+    [line] = [row for row in run("list_jobs").splitlines() if row.lstrip().startswith(str(job.pk))]
+    assert "line one line two xxx" in line and line.endswith("…") and len(line) < 400
+    full = run_json("list_jobs")["jobs"][0]["last_error"]
+    assert "\n" in full and len(full) == 10_000  # --json keeps what was stored
+
+
 def test_requeue_dead_dry_run_then_for_real():
     dead = make_dead_job()
     assert run_json("requeue_dead", "--all", "--dry-run") == {

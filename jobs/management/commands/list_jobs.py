@@ -39,6 +39,16 @@ class Command(JobsCommand):
                 f"{row['id']:>8}  {row['state']:<10} {row['lane']:<12} "
                 f"{row['attempts']:>3}/{row['max_attempts']:<4}  {row['kind']}"
                 + (f" {row['task']}" if row["task"] else "")
-                + (f"  — {row['last_error']}" if row["last_error"] else "")
+                + (f"  — {_one_line(row['last_error'])}" if row["last_error"] else "")
             )
         self.stdout.write(f"({len(rows)} shown)")
+
+
+ERROR_SHOWN = 200  # characters of the last error a listing line shows (show_job: all)
+
+
+def _one_line(error: str) -> str:
+    """The error as one line of a listing: its whitespace runs as one space, cut to
+    ``ERROR_SHOWN`` characters (a 64 KB message filled the terminal; --json has it all)."""
+    line = " ".join(error.split())
+    return line if len(line) <= ERROR_SHOWN else line[: ERROR_SHOWN - 1] + "…"
