@@ -250,24 +250,19 @@ def test_a_schedule_this_process_cannot_enqueue_is_left_due_for_one_that_can():
     """A rolling deploy: a newer scheduler declared a schedule of a kind (or lane) this
     older one does not know. Its slots are not spent on refusals here; the others tick."""
     scheduler.sync(now=at(2026, 11, 30, 10))
-    Schedule.objects.create(
-        name="newer",
-        kind="test.only_in_the_next_release",
-        every=60,
-        timezone="UTC",
-        next_due_at=at(2026, 11, 30, 10, 1),
-        args={},
-        lane=None,
-    )
-    Schedule.objects.create(
-        name="new-lane",
-        kind="test.echo",
-        every=60,
-        timezone="UTC",
-        next_due_at=at(2026, 11, 30, 10, 1),
-        args={},
-        lane="lane-of-the-next-release",
-    )
+    for name, kind, lane in (
+        ("newer", "test.only_in_the_next_release", None),
+        ("new-lane", "test.echo", "lane-of-the-next-release"),
+    ):
+        Schedule.objects.create(
+            name=name,
+            kind=kind,
+            every=60,
+            timezone="UTC",
+            next_due_at=at(2026, 11, 30, 10, 1),
+            args={},
+            lane=lane,
+        )
     unserved: set[int] = set()
     with capture_logs() as logs:
         for minute in (6, 11):

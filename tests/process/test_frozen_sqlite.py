@@ -36,6 +36,17 @@ BOUND = 2 * LEASE + RECLAIM
 SLACK = 4.0  # process scheduling on a loaded machine
 
 
+def _wait_succeeded(job_ids: list[int]) -> None:
+    wait_until(
+        lambda: all(
+            state == State.SUCCEEDED
+            for state in Job.objects.filter(pk__in=job_ids).values_list("state", flat=True)
+        ),
+        20,
+        message=lambda: job_summary(job_ids),
+    )
+
+
 def _freezable(marker: Path, **pause: float) -> Job:
     """A ``test.freezable`` job whose first attempt writes ``marker`` and pauses so."""
     document = Document.objects.create(url="https://example.test/f", refresh_after=timezone.now())
@@ -85,14 +96,7 @@ def test_a_worker_frozen_inside_ctx_atomic_is_killed_and_its_job_completed_once(
     )
     assert effects == [("progress", 2), ("complete", 2)], effects
     assert Document.objects.get().refreshed == 1
-    wait_until(
-        lambda: all(
-            state == State.SUCCEEDED
-            for state in Job.objects.filter(pk__in=others_jobs).values_list("state", flat=True)
-        ),
-        20,
-        message=lambda: job_summary(others_jobs),
-    )
+    _wait_succeeded(others_jobs)
     for proc in others:
         assert proc.alive, proc.describe()
         proc.terminate()
@@ -209,14 +213,7 @@ def test_an_idle_worker_frozen_inside_its_claim_is_killed(
     killers = _killed(procs, "w-idle")
     assert killers and killers[0]["job_ids"] == [] and killers[0]["level"] == "error", killers
     jobs = [enqueueing.enqueue("test.echo", {"n": n}).pk for n in range(3)]
-    wait_until(
-        lambda: all(
-            s == State.SUCCEEDED
-            for s in Job.objects.filter(pk__in=jobs).values_list("state", flat=True)
-        ),
-        20,
-        message=lambda: job_summary(jobs),
-    )
+    _wait_succeeded(jobs)
     for proc in procs:
         assert proc.alive, proc.describe()
 
