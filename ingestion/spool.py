@@ -176,6 +176,7 @@ class Spool:
         self.incoming.mkdir(parents=True, exist_ok=True)
         self.failed.mkdir(parents=True, exist_ok=True)
         finish_claims(self)
+        finish_removals(self)
 
     def listing(self) -> Iterator[os.DirEntry[str]]:
         """The entries of ``incoming/`` the ingester handles: ``*.json`` (no dot-files),
@@ -693,16 +694,55 @@ def same_file(directory: int, entry: Entry) -> bool:
 
 
 def remove(incoming: int, entry: Entry) -> bool:
-    """Delete an acked file, unless it is gone or changed since it was read.
+    """Delete an acked file, unless it changed since it was read (False: read it again).
+    True when the file that was read is gone: deleted here, or replaced under its name
+    by another, which stays for the next scan.
 
     ``incoming`` is an open descriptor of ``incoming/``: a batch's stats and unlinks are
     relative to it, without building and resolving a path for each file.
     """
     if not same_file(incoming, entry):
         return False
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(entry.name, dir_fd=incoming)
-    return True
+    # Taken aside by a rename (atomic) and compared again before the unlink: a file
+    # renamed over the name after the look above (new data under a reused name) is put
+    # back, never deleted on the strength of the old file's ack.
+    taken = acked_name(entry)
+    try:
+        os.rename(entry.name, taken, src_dir_fd=incoming, dst_dir_fd=incoming)
+    except FileNotFoundError:
+        return True  # gone meanwhile (deleted by its producer): nothing left to delete
+    info = os.stat(taken, dir_fd=incoming, follow_symlinks=False)
+    if same_content(info, entry.identity):
+        os.unlink(taken, dir_fd=incoming)
+        return True
+    put_back(taken, incoming, entry.name, src_dir_fd=incoming)
+    return True  # the acked file is gone (replaced); the next scan finds the new one
+
+
+ACKED_SUFFIX = ".acked"
+
+
+def acked_name(entry: Entry) -> str:
+    """The dot-file (never listed) an acked file is renamed to before it is deleted: its
+    name kept, or its hash where that would pass the file system's limit on a name."""
+    name = f".{entry.name}{ACKED_SUFFIX}"
+    if len(os.fsencode(name)) <= 255:
+        return name
+    return f".{entry.hash[:32]}.json{ACKED_SUFFIX}"
+
+
+def finish_removals(spool: Spool) -> None:
+    """At start-up: an ``incoming/.<name>.acked`` left by a crash between the rename and
+    the unlink (or the comparison) goes back to ``incoming/<name>``, to be read again: a
+    duplicate of an acked file is then deleted, anything else applied."""
+    directory = open_dir(spool.incoming)
+    try:
+        for entry in os.scandir(spool.incoming):
+            if entry.name.startswith(".") and entry.name.endswith(ACKED_SUFFIX):
+                put_back(entry.name, directory, entry.name[1 : -len(ACKED_SUFFIX)], directory)
+                log.warning("spool_removal_finished", file=entry.name)
+    finally:
+        os.close(directory)
 
 
 def reason_of(entry: Entry, issue_id: int | None) -> dict[str, Any]:
@@ -854,17 +894,19 @@ def same_content(info: os.stat_result, identity: Identity) -> bool:
     return replace(now, ctime_ns=identity.ctime_ns) == identity
 
 
-def put_back(claim: Path, incoming: int, name: str) -> None:
+def put_back(taken: Path | str, incoming: int, name: str, src_dir_fd: int | None = None) -> None:
     """Return a file taken by mistake to ``incoming/``: under its name unless another file
     took that name meanwhile (``link`` never replaces), then under a new one."""
     for candidate in itertools.chain([name], (f"{name}.{time.time_ns():x}.json" for _ in range(3))):
         try:
-            os.link(claim, candidate, dst_dir_fd=incoming, follow_symlinks=False)
+            os.link(
+                taken, candidate, src_dir_fd=src_dir_fd, dst_dir_fd=incoming, follow_symlinks=False
+            )
         except FileExistsError:
             continue
-        os.unlink(claim)
+        os.unlink(taken, dir_fd=src_dir_fd)
         return
-    raise OSError(f"cannot put {claim} back into incoming/")
+    raise OSError(f"cannot put {taken} back into incoming/")
 
 
 def finish_claims(spool: Spool) -> None:

@@ -601,6 +601,41 @@ def test_a_file_corrected_while_its_quarantine_is_written_is_applied_not_quarant
     assert Fact.objects.filter(key="corrected").exists()
 
 
+def test_a_file_replaced_just_before_its_acked_predecessor_is_deleted_is_kept_and_applied(
+    db: None, the_spool: Spool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """New data renamed over a name right after the writer checked it, before the unlink:
+    the file is taken aside by a rename and compared again, so the new one is put back
+    and applied, never deleted on the strength of the old one's ack (I6)."""
+    name = the_spool.incoming / "daily.json"
+    name.write_text(json.dumps(submission(key="monday")))
+    newer = the_spool.root / "daily.json.tmp"
+    newer.write_text(json.dumps(submission(key="tuesday")))
+    original = spool.acked_name  # called between remove()'s check and its rename
+    replaced: list[bool] = []
+
+    def acked_name(entry: spool.Entry) -> str:
+        if not replaced:
+            os.rename(newer, name)  # the producer's mv, between the check and the unlink
+            replaced.append(True)
+        return original(entry)
+
+    monkeypatch.setattr(spool, "acked_name", acked_name)
+    progress = drain(the_spool, stuck_after=15)
+    assert replaced and progress.applied == 2
+    assert set(Fact.objects.values_list("key", flat=True)) == {"monday", "tuesday"}
+    assert names(the_spool.incoming) == []
+
+
+def test_a_removal_a_crash_interrupted_is_put_back_and_read_again(
+    db: None, the_spool: Spool
+) -> None:
+    (the_spool.incoming / ".late.json.acked").write_text(json.dumps(submission(key="late")))
+    the_spool.ensure()
+    assert names(the_spool.incoming) == ["late.json"]
+    assert drain(the_spool, stuck_after=15).applied == 1
+
+
 def test_a_quarantine_a_crash_interrupted_is_finished_at_start(db: None, the_spool: Spool) -> None:
     (the_spool.failed / ".bad.json.claim").write_text('{"schema": ')
     (the_spool.failed / "bad.json.reason.json").write_text("{}")
