@@ -190,7 +190,13 @@ def test_gunicorn_reads_a_chunked_body_as_sent(gunicorn: Served) -> None:
     )
     assert response.request.headers.get("Transfer-Encoding") == "chunked"
     assert response.status_code == 200, response.text
-    assert response.json() == {"requeued": [job.pk], "dry_run": True, "conflicts": []}
+    assert response.json() == {
+        "requeued": [job.pk],
+        "dry_run": True,
+        "conflicts": [],
+        "more": False,
+        "last_id": job.pk,
+    }
 
 
 def test_a_client_that_stops_sending_holds_one_request_for_a_bounded_time(
