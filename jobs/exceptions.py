@@ -14,6 +14,15 @@ class LeaseLost(HoldfastError):
     """
 
 
+class TransactionLeftOpen(HoldfastError):
+    """A handler returned (or raised) with a database transaction still open: an atomic
+    block entered and never exited, autocommit turned off, a raw ``BEGIN``. The worker
+    closes that connection (the database rolls the transaction back) and fails the
+    attempt with this error: committing it would be committing a stranger's work, and
+    keeping it would hold its locks (on SQLite, the database's only write lock) for ever.
+    """
+
+
 class PermanentError(HoldfastError):
     """Raise from a handler when retrying cannot help: the job goes straight to ``dead``."""
 

@@ -7,6 +7,7 @@ kinds without touching Holdfast.
 
 from __future__ import annotations
 
+import inspect
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -71,6 +72,9 @@ def handler(
         raise ValueError(f"handler {kind!r}: {problem}")
 
     def register(func: HandlerFunc) -> HandlerFunc:
+        shape = _shape_problem(func)
+        if shape:
+            raise ValueError(f"handler {kind!r}: {shape}")
         spec = HandlerSpec(
             kind=kind,
             func=func,
@@ -93,6 +97,19 @@ def handler(
         return func
 
     return register
+
+
+def _shape_problem(func: Any) -> str | None:
+    """A handler is a plain function the worker calls and is done with: a coroutine or
+    generator function returns an object that never runs (each job would be dead with
+    "not JSON", its body never executed)."""
+    if not callable(func):
+        return f"{func!r} is not callable"
+    if inspect.iscoroutinefunction(func) or inspect.isasyncgenfunction(func):
+        return "an async function cannot be a handler: the worker runs handlers synchronously"
+    if inspect.isgeneratorfunction(func):
+        return "a generator function cannot be a handler: its body would never run"
+    return None
 
 
 def _options_problem(

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 from django.apps import apps
 from django.core import checks
 from django.core.exceptions import ImproperlyConfigured
-from django.db import transaction
+from django.db import DatabaseError, transaction
 from django.tasks import Task, TaskContext, TaskResult, TaskResultStatus
 from django.tasks.backends.base import BaseTaskBackend
 from django.tasks.base import TaskError
@@ -35,7 +35,7 @@ from django.utils.json import normalize_json
 from django.utils.module_loading import import_string
 
 from . import lanes as lane_config
-from . import options
+from . import options, sql
 from .exceptions import Cancelled, InvalidJob, LaneFull, LaneRefused, PermanentError, UnknownKind
 from .registry import TASK_KIND, handler
 
@@ -313,7 +313,12 @@ def _locks_for(
     if locks is None:
         return None
     if callable(locks):
-        locks = locks(*args, **kwargs)
+        try:
+            locks = locks(*args, **kwargs)
+        except Exception as exc:  # e.g. arguments its signature does not take
+            raise InvalidTask(
+                f"Task {task.module_path}: locks() raised {type(exc).__name__}: {exc}"
+            ) from exc
         if isinstance(locks, str) or not isinstance(locks, Iterable):
             raise InvalidTask(f"Task {task.module_path}: locks() must return a list of strings.")
         locks = list(locks)
@@ -459,9 +464,7 @@ def run_task(ctx: JobContext, **payload: Any) -> Any:
                 traceback="".join(format_exception(exc)),
             )
         )
-        if ctx.attempt >= ctx.max_attempts or isinstance(
-            exc, PermanentError | UnknownKind | Cancelled
-        ):
+        if _final_failure(exc, ctx):
             _finish(result, TaskResultStatus.FAILED)
             task_finished.send_robust(sender, task_result=result)  # exc_info is set here
         raise
@@ -473,6 +476,17 @@ def run_task(ctx: JobContext, **payload: Any) -> Any:
     _finish(result, TaskResultStatus.SUCCESSFUL)
     task_finished.send_robust(sender, task_result=result)
     return value
+
+
+def _final_failure(exc: BaseException, ctx: JobContext) -> bool:
+    """Whether this attempt's failure ends the task: a permanent error, or the last
+    attempt failing. A database fault (a restart, a failover; ``sql.fault``) is neither:
+    the worker gives the job back uncharged and it runs again."""
+    if isinstance(exc, DatabaseError) and sql.fault(exc) is not None:
+        return False
+    return ctx.attempt >= ctx.max_attempts or isinstance(
+        exc, PermanentError | UnknownKind | Cancelled
+    )
 
 
 def _json_result(raw: Any) -> Any:

@@ -33,6 +33,7 @@ and a claim the database refuses is retried with backoff, never fatal.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 import functools
 import inspect
@@ -60,7 +61,7 @@ from django.db import (
 from . import engine, notify, options, sql, workers
 from . import lanes as lane_config
 from .context import JobContext, check_result
-from .exceptions import Cancelled, LeaseLost, PermanentError, UnknownKind
+from .exceptions import Cancelled, LeaseLost, PermanentError, TransactionLeftOpen, UnknownKind
 from .log import bound_context, get_logger
 from .notify import PollWaker, SideListener
 from .registry import HandlerSpec, all_handlers, autodiscover, get_handler
@@ -137,6 +138,9 @@ class WorkerProcess:
         # SQLite: the keeper's looks for a stopped worker holding the write lock (and the
         # registration's, before the keeper starts: a frozen holder would keep it waiting).
         self._frozen_watch = workers.FrozenHolderWatch(float(settings.HOLDFAST_RECLAIM_SECONDS))
+        self._pid = os.getpid()  # a handler's forked child must not go on as this worker
+        self._signals: tuple[int, ...] = ()  # the signals whose handlers this worker owns
+        self._on_signal_handler = self._on_signal  # one bound method: compared by identity
 
     # --- lifecycle ---------------------------------------------------------------------
 
@@ -240,10 +244,8 @@ class WorkerProcess:
         """SIGTERM/SIGINT stop the worker gracefully; returns the handlers they replaced."""
         if threading.current_thread() is not threading.main_thread():
             return {}
-        return {
-            signum: signal.signal(signum, self._on_signal)
-            for signum in (signal.SIGTERM, signal.SIGINT)
-        }
+        self._signals = (signal.SIGTERM, signal.SIGINT)
+        return {signum: signal.signal(signum, self._on_signal_handler) for signum in self._signals}
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         name = signal.Signals(signum).name
@@ -287,35 +289,100 @@ class WorkerProcess:
             self.processed += 1
 
     def _execute(self, job: Claimed, ctx: JobContext) -> engine.Verdict | None:
-        """Run the handler; return the verdict to write (None: nothing left to write)."""
+        """Run the handler; return the verdict to write (None: nothing left to write).
+
+        The handler runs in a copy of the worker's context, so what it binds to the log
+        context (``structlog.contextvars``) ends with its job instead of following the
+        worker into the next one.
+        """
+        scope = contextvars.copy_context()
         try:
             spec = get_handler(job.kind)
-            result = _call(spec, ctx, job.args)
+            try:
+                result = scope.run(_call, spec, ctx, job.args)
+            except BaseException:
+                self._after_handler(raised=True)
+                raise
+            self._after_handler(raised=False)
             if ctx.completed:
                 return None  # committed inside ctx.atomic(complete=True)
             if result is None:
                 return engine.SUCCEEDED
             check_result(result)
             return engine.succeeded(result)
-        except LeaseLost:
-            log.warning("lease_lost", during="handler")
-            return None
-        except Cancelled:
-            return engine.CANCELLED
         except BaseException as exc:
             # Everything, SystemExit, KeyboardInterrupt and GeneratorExit included: the
             # worker's own shutdown never raises into the handler (SIGTERM and SIGINT set
-            # a flag), so whatever arrives here is the handler's, and a failed attempt.
-            failure = engine.Failure(
-                error_class=engine.storable(_class_path(exc)),
-                message=engine.storable(_description(exc)),
-                traceback=engine.storable(_handler_traceback(exc)),
-                context=engine.storable(bound_context()),
-                permanent=isinstance(exc, PermanentError | UnknownKind),
+            # a flag), so whatever arrives here is the handler's.
+            return self._verdict_on(job, ctx, exc, scope)
+
+    def _verdict_on(
+        self, job: Claimed, ctx: JobContext, exc: BaseException, scope: contextvars.Context
+    ) -> engine.Verdict | None:
+        """The verdict of an attempt whose handler raised ``exc``."""
+        if ctx.completed:  # its ctx.atomic(complete=True) committed: the job succeeded
+            log.warning("handler_raised_after_complete", error=_error_line(exc))
+            return None
+        if isinstance(exc, Cancelled):
+            return engine.CANCELLED
+        if isinstance(exc, LeaseLost):
+            log.warning("lease_lost", during="handler")
+            # Usually the lease is gone and the fenced settle matches nothing. But
+            # LeaseLost can also reach here while this attempt still holds the job: a
+            # fenced write refused by the handler's own transaction (ctx.atomic(complete=
+            # True) nested in another), or raised by hand. Then the settle lands, and the
+            # attempt fails with it, instead of leaving the job running until reclaim.
+            return engine.failed(job, self._failure(exc, scope, lease_held=True), _backoff(job))
+        failure = self._failure(exc, scope)
+        if isinstance(exc, DatabaseError) and sql.fault(exc) is not None:
+            return self._interrupted(job, failure)
+        return engine.failed(job, failure, _backoff(job))
+
+    @staticmethod
+    def _failure(
+        exc: BaseException, scope: contextvars.Context, lease_held: bool = False
+    ) -> engine.Failure:
+        """The attempt's record of ``exc``, with the log context the handler had bound."""
+        message = _description(exc)
+        if lease_held:  # only stored if the fenced settle lands, i.e. the lease was held
+            message = (
+                "LeaseLost reached the worker while this attempt still held its lease (a "
+                "fenced write refused inside the handler's own transaction, such as "
+                f"ctx.atomic(complete=True) nested in another, or raised by hand): {message}"
             )
-            if isinstance(exc, DatabaseError) and sql.fault(exc) is not None:
-                return self._interrupted(job, failure)
-            return engine.failed(job, failure, _backoff(job))
+        return engine.Failure(
+            error_class=engine.storable(_class_path(exc)),
+            message=engine.storable(message),
+            traceback=engine.storable(_handler_traceback(exc)),
+            context=engine.storable(scope.run(bound_context)),
+            permanent=isinstance(exc, PermanentError | UnknownKind),
+        )
+
+    def _after_handler(self, raised: bool) -> None:
+        """Undo what a handler may have left behind that must not outlive it.
+
+        - A forked child returning from the handler exits at once: going on, it would
+          settle its parent's job and claim others over its parent's connection.
+        - A handler that replaced SIGTERM/SIGINT's handler would leave the worker deaf to
+          a graceful stop: ours are put back (``signal_handler_replaced``).
+        - A database transaction left open is rolled back with its connection closed, and
+          the attempt fails (``TransactionLeftOpen``): the settle would otherwise nest
+          in it and never commit, holding its locks for ever.
+        """
+        if os.getpid() != self._pid:
+            os._exit(1 if raised else 0)
+        for signum in self._signals:
+            if signal.getsignal(signum) is not self._on_signal_handler:
+                log.warning("signal_handler_replaced", signal=signal.Signals(signum).name)
+                signal.signal(signum, self._on_signal_handler)
+        if _transaction_left_open():
+            log.error("handler_left_transaction_open")
+            _discard_connection()
+            raise TransactionLeftOpen(
+                "the handler returned with a database transaction still open (an atomic "
+                "block never exited, autocommit turned off, or a raw BEGIN): it was rolled "
+                "back and its connection closed"
+            )
 
     def _interrupted(self, job: Claimed, failure: engine.Failure) -> engine.Verdict:
         """The handler met a database fault, not a failure of its job: give it back."""
@@ -676,6 +743,32 @@ class WorkerProcess:
             log.exception("background_step_failed")
 
 
+def _transaction_left_open() -> bool:
+    """Whether the main connection is inside a transaction (worker code runs none across
+    a handler call, so any such is the handler's)."""
+    raw = connection.connection
+    if raw is None:
+        return False
+    if connection.in_atomic_block or not connection.autocommit:
+        return True
+    if sql.is_postgres():
+        from psycopg.pq import TransactionStatus
+
+        # Not UNKNOWN: a connection broken under the handler is a database fault, not this.
+        return raw.info.transaction_status in (TransactionStatus.INTRANS, TransactionStatus.INERROR)
+    return bool(raw.in_transaction)
+
+
+def _discard_connection() -> None:
+    """Close the main connection whatever state it is in: the database rolls back what
+    it held. Django keeps a connection closed inside an atomic block as unusable until
+    that block exits, which this one never will: forget it, so the next statement
+    connects afresh (``connect()`` resets the transaction state)."""
+    connection.close()
+    connection.in_atomic_block = False
+    connection.connection = None
+
+
 def _timed_out(exc: BaseException) -> bool:
     """The statement ran past its ``statement_timeout`` (PostgreSQL)."""
     import psycopg
@@ -774,7 +867,7 @@ def _backoff(job: Claimed) -> float:
     try:
         answer = backoff(job.attempt)
     except Exception as exc:
-        log.error("backoff_failed", error=f"{_class_path(exc)}: {_one_line(exc)}")
+        log.error("backoff_failed", error=_error_line(exc))
         return DEFAULT_RETRY.delay(job.attempt)
     delay = options.retry_delay(answer)
     if delay is None:
@@ -801,6 +894,11 @@ def _description(exc: BaseException) -> str:
         except BaseException:
             detail = ""
         return f"(its str() raised {_class_path(failure)}{detail})"
+
+
+def _error_line(exc: BaseException) -> str:
+    """``module.Class: message`` on one line, for a log field."""
+    return f"{_class_path(exc)}: {_one_line(exc)}"
 
 
 def _one_line(exc: BaseException) -> str:

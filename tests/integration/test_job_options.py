@@ -110,6 +110,33 @@ def test_handler_refuses_a_kind_that_is_not_a_printable_name(kind: Any):
         handler(kind)
 
 
+async def _coroutine(ctx: JobContext) -> None:
+    return None
+
+
+async def _async_generator(ctx: JobContext) -> Any:
+    yield None
+
+
+def _generator(ctx: JobContext) -> Any:
+    yield None
+
+
+@pytest.mark.parametrize(
+    ("func", "why"),
+    [
+        (_coroutine, "an async function cannot be a handler"),
+        (_async_generator, "an async function cannot be a handler"),
+        (_generator, "a generator function cannot be a handler"),
+        ("not a function", "is not callable"),
+    ],
+)
+def test_handler_refuses_what_the_worker_cannot_run(func: Any, why: str):
+    """Each would make every job of its kind dead with "not JSON", its body never run."""
+    with pytest.raises(ValueError, match=f"handler 'opt.shape': .*{why}"):
+        handler("opt.shape")(func)
+
+
 def test_handler_keeps_every_valid_form():
     handler("opt.valid", max_attempts=1_000_000, lease_seconds=MAX_LEASE_SECONDS, backoff=0)
     handler("opt.valid2", backoff=RetryPolicy(base=1, cap=60, jitter=0), schedule=0.5)

@@ -210,6 +210,27 @@ def test_signals_are_sent_when_tasks_are_enqueued_start_and_finish(run_worker):
             signal.disconnect(receiver)
 
 
+def test_a_database_fault_is_not_a_tasks_final_failure(run_worker):
+    """A task that met a database fault on its last attempt is given back uncharged, as
+    every job is: no ``task_finished`` FAILED for a task that will run again."""
+    finished: list[str] = []
+
+    def receive(sender: type, task_result: Any, **kwargs: Any) -> None:
+        finished.append(task_result.status)
+
+    task_finished.connect(receive)
+    try:
+        result = tasks.loses_its_database.enqueue()
+        run_worker()
+    finally:
+        task_finished.disconnect(receive)
+    assert finished == []
+    job = Job.objects.get(pk=int(result.id))
+    assert (job.state, job.attempts, job.max_attempts) == (State.QUEUED, 0, 1)
+    result.refresh()
+    assert result.status == TaskResultStatus.READY and not result.is_finished
+
+
 def test_a_failing_signal_receiver_does_not_change_the_outcome(run_worker):
     def broken(**kwargs: Any) -> None:
         raise RuntimeError("receiver bug")
@@ -359,6 +380,10 @@ def test_locks_computed_from_arguments_must_be_strings():
     bad = task(locks=lambda account, amount: account)(tasks.transfer.func)
     with pytest.raises(InvalidTask, match="locks"):
         bad.enqueue("acct", 1)
+    assert not Job.objects.exists()
+    # A locks() that raises (here: arguments it does not take) is refused the same way.
+    with pytest.raises(InvalidTask, match=r"locks\(\) raised TypeError"):
+        tasks.transfer.enqueue("acct", 1, memo="x")
     assert not Job.objects.exists()
 
 

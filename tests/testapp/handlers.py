@@ -8,12 +8,13 @@ import time
 from datetime import timedelta
 from typing import Any
 
-from django.db import transaction
+import structlog
+from django.db import connection, transaction
 from django.db.models import F
 from django.db.models.functions import Now
 from django.utils import timezone
 
-from jobs import PermanentError, enqueue, handler
+from jobs import LeaseLost, PermanentError, enqueue, handler
 from jobs.context import JobContext
 from jobs.refresh import refresher
 
@@ -288,6 +289,55 @@ def hard_exit(ctx: JobContext, *, ways: tuple[str, ...] = ("exit", "exit", "exit
     elif way == "sigkill":
         os.kill(os.getpid(), signal.SIGKILL)
     os._exit(1)
+
+
+@handler("test.misuse", backoff=0, max_attempts=2)
+def misuse(ctx: JobContext, *, how: str) -> Any:
+    """Careless handler code the worker must contain, one way per ``how``:
+
+    - ``nested_complete``: ``ctx.atomic(complete=True)`` inside another (the outer one's
+      completion then finds the job settled by the inner: LeaseLost, lease still held);
+    - ``raise_lease_lost``: LeaseLost raised by hand;
+    - ``raise_after_complete``: raises after its ``ctx.atomic(complete=True)`` committed;
+    - ``open_atomic`` / ``autocommit_off`` / ``raw_begin``: returns with a transaction
+      open, an Effect row written in it;
+    - ``replace_sigterm``: installs a SIGTERM handler that ignores the signal;
+    - ``bind_context``: binds a key to the log context and never unbinds it;
+    - ``fork``: forks; the child returns from the handler like its parent, which waits
+      for it and returns its exit status.
+    """
+    if how == "nested_complete":
+        with ctx.atomic(complete=True, result="outer"):
+            _effect(ctx, "outer")
+            with ctx.atomic(complete=True, result="inner"):
+                _effect(ctx, "inner")
+    elif how == "raise_after_complete":
+        with ctx.atomic(complete=True, result="done"):
+            _effect(ctx, "complete")
+        raise RuntimeError("cleanup failed after the job completed")
+    elif how == "raise_lease_lost":
+        raise LeaseLost("raised by the handler's own code")
+    elif how == "open_atomic":
+        transaction.atomic().__enter__()
+        _effect(ctx, "left open")
+    elif how == "autocommit_off":
+        transaction.set_autocommit(False)
+        _effect(ctx, "left open")
+    elif how == "raw_begin":
+        with connection.cursor() as cursor:
+            cursor.execute("BEGIN")
+        _effect(ctx, "left open")
+    elif how == "replace_sigterm":
+        signal.signal(signal.SIGTERM, lambda signum, frame: None)
+    elif how == "bind_context":
+        structlog.contextvars.bind_contextvars(leaked=f"from job {ctx.job_id}")
+    elif how == "fork":
+        child = os.fork()
+        if child == 0:
+            return "the child's"
+        _, status = os.waitpid(child, 0)
+        return {"child_exit": os.waitstatus_to_exitcode(status)}
+    return how
 
 
 if os.environ.get("HOLDFAST_TEST_LATE_KIND"):

@@ -116,3 +116,13 @@ def exits(code: int) -> None:
 @task(max_attempts=1)
 def interrupts() -> None:
     raise KeyboardInterrupt("the task pressed Ctrl-C")
+
+
+@task(max_attempts=1)
+def loses_its_database() -> None:
+    """Meets a database fault (the server went away): not the task's failure."""
+    import psycopg
+    from django.db import OperationalError
+
+    lost = psycopg.OperationalError("server closed the connection unexpectedly")
+    raise OperationalError(str(lost)) from lost
