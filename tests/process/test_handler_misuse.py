@@ -23,10 +23,17 @@ import pytest
 from jobs import enqueueing
 from jobs.models import Job, Lease, Outcome, State
 from tests.process.helpers import assert_engine_invariants, wait_for_job
-from tests.support.workers import WorkerPool
+from tests.support.workers import WorkerPool, WorkerProc
 from tests.testapp.models import Effect
 
 pytestmark = [pytest.mark.process, pytest.mark.timeout(90)]
+
+
+def _misuse(workers: WorkerPool, how: str, state: str) -> tuple[WorkerProc, Job]:
+    """Start worker ``w1``, run a ``test.misuse`` job doing ``how``; wait for ``state``."""
+    worker = workers.start("w1")
+    job = enqueueing.enqueue("test.misuse", {"how": how})
+    return worker, wait_for_job(job.pk, state, workers)
 
 
 def _failed_attempts(job: Job) -> list[Lease]:
@@ -84,10 +91,8 @@ def test_a_transaction_left_open_is_rolled_back_and_fails_the_attempt(
 def test_an_error_after_the_job_completed_is_logged_and_the_job_stays_succeeded(
     workers: WorkerPool,
 ) -> None:
-    worker = workers.start("w1")
-    job = enqueueing.enqueue("test.misuse", {"how": "raise_after_complete"})
-    done = wait_for_job(job.pk, State.SUCCEEDED, workers)
-    assert done.result == "done" and done.attempts == 1
+    worker, job = _misuse(workers, "raise_after_complete", State.SUCCEEDED)
+    assert job.result == "done" and job.attempts == 1
     event = worker.wait_for_event("handler_raised_after_complete", job_id=job.pk)
     assert event["error"] == "RuntimeError: cleanup failed after the job completed"
     assert not worker.events("lease_lost", job_id=job.pk), worker.describe()
@@ -97,9 +102,7 @@ def test_an_error_after_the_job_completed_is_logged_and_the_job_stays_succeeded(
 def test_a_handler_replacing_sigterms_handler_leaves_the_worker_stoppable(
     workers: WorkerPool,
 ) -> None:
-    worker = workers.start("w1")
-    job = enqueueing.enqueue("test.misuse", {"how": "replace_sigterm"})
-    wait_for_job(job.pk, State.SUCCEEDED, workers)
+    worker, job = _misuse(workers, "replace_sigterm", State.SUCCEEDED)
     worker.wait_for_event("signal_handler_replaced", signal="SIGTERM", job_id=job.pk)
     worker.terminate()
     assert worker.wait_exit(20) == 0, worker.describe()
@@ -109,9 +112,7 @@ def test_a_handler_replacing_sigterms_handler_leaves_the_worker_stoppable(
 def test_what_a_handler_binds_to_the_log_context_ends_with_its_job(
     workers: WorkerPool,
 ) -> None:
-    worker = workers.start("w1")
-    binder = enqueueing.enqueue("test.misuse", {"how": "bind_context"})
-    wait_for_job(binder.pk, State.SUCCEEDED, workers)
+    worker, _ = _misuse(workers, "bind_context", State.SUCCEEDED)
     after = enqueueing.enqueue("test.echo", {"n": 1})
     wait_for_job(after.pk, State.SUCCEEDED, workers)
     [claimed] = worker.events("job_claimed", job_id=after.pk)
@@ -120,14 +121,12 @@ def test_what_a_handler_binds_to_the_log_context_ends_with_its_job(
 
 
 def test_a_forked_child_returning_from_the_handler_exits_at_once(workers: WorkerPool) -> None:
-    worker = workers.start("w1")
-    job = enqueueing.enqueue("test.misuse", {"how": "fork"})
-    done = wait_for_job(job.pk, State.SUCCEEDED, workers)
+    worker, done = _misuse(workers, "fork", State.SUCCEEDED)
     assert done.result == {"child_exit": 0}
     assert done.attempts == 1
     after = [enqueueing.enqueue("test.echo", {"n": n}) for n in range(5)]
     for follower in after:
         finished = wait_for_job(follower.pk, State.SUCCEEDED, workers)
         assert finished.leases.get().worker_id == "w1"
-    assert worker.alive and len(worker.events("job_claimed", job_id=job.pk)) == 1
+    assert worker.alive and len(worker.events("job_claimed", job_id=done.pk)) == 1
     assert_engine_invariants(context=workers.describe())
