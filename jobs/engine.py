@@ -189,6 +189,16 @@ CANCELLED = Verdict(
 )
 
 
+def cancelled_by_handler(reason: str) -> Verdict:
+    """The handler raised ``Cancelled`` with no cancel request: its own decision (a
+    source removed, say). Its reason is the job's ``last_error``, never "on request"."""
+    text = f"cancelled by its handler: {reason}" if reason else "cancelled by its handler"
+    how = Settlement(
+        State.CANCELLED, Outcome.CANCELLED, last_error=storable(text)[:MAX_ERROR_MESSAGE]
+    )
+    return Verdict(how, "job_cancelled", {"by": "handler", "reason": how.last_error})
+
+
 def settle(job: Claimed, verdict: Verdict) -> None:
     """Write ``verdict`` for ``job``, fenced by its lease token; raise LeaseLost otherwise."""
     settled, _ = sql.settle_and_claim(job, verdict.how, None, None)

@@ -324,7 +324,9 @@ class WorkerProcess:
             log.warning("handler_raised_after_complete", error=_error_line(exc))
             return None
         if isinstance(exc, Cancelled):
-            return engine.CANCELLED
+            if ctx.cancel_requested:
+                return engine.CANCELLED
+            return engine.cancelled_by_handler(" ".join(_description(exc).split()))
         if isinstance(exc, LeaseLost):
             log.warning("lease_lost", during="handler")
             # Usually the lease is gone and the fenced settle matches nothing. But

@@ -117,6 +117,18 @@ def test_atomic_complete_then_normal_return_does_not_settle_twice(run_worker):
     assert Job.objects.get(pk=job.pk).result == "done"
 
 
+def test_a_handler_cancelling_its_job_unasked_says_so_with_its_reason(run_worker):
+    job = enqueueing.enqueue("test.misuse", {"how": "cancel_itself"})
+    with capture_logs() as logs:
+        run_worker()
+    job = Job.objects.get(pk=job.pk)
+    assert (job.state, job.attempts) == (State.CANCELLED, 1)
+    assert job.last_error == "cancelled by its handler: its source was removed"
+    [event] = [e for e in logs if e["event"] == "job_cancelled"]
+    assert event["by"] == "handler" and event["reason"] == job.last_error
+    assert not [e for e in logs if e["event"] == "cancel_not_honoured"]
+
+
 def test_progress_is_recorded_and_fenced(monkeypatch):
     monkeypatch.setattr(context, "PROGRESS_INTERVAL", 0.0)  # no throttle: every call writes
     enqueueing.enqueue("test.echo")

@@ -298,6 +298,7 @@ def misuse(ctx: JobContext, *, how: str) -> Any:
     - ``nested_complete``: ``ctx.atomic(complete=True)`` inside another (the outer one's
       completion then finds the job settled by the inner: LeaseLost, lease still held);
     - ``raise_lease_lost``: LeaseLost raised by hand;
+    - ``cancel_itself``: raises ``ctx.Cancelled`` with no cancel request;
     - ``raise_after_complete``: raises after its ``ctx.atomic(complete=True)`` committed;
     - ``open_atomic`` / ``autocommit_off`` / ``raw_begin``: returns with a transaction
       open, an Effect row written in it;
@@ -315,6 +316,8 @@ def misuse(ctx: JobContext, *, how: str) -> Any:
         with ctx.atomic(complete=True, result="done"):
             _effect(ctx, "complete")
         raise RuntimeError("cleanup failed after the job completed")
+    elif how == "cancel_itself":
+        raise ctx.Cancelled("its source was removed")
     elif how == "raise_lease_lost":
         raise LeaseLost("raised by the handler's own code")
     elif how == "open_atomic":
