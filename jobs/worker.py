@@ -51,11 +51,13 @@ import structlog
 from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
 from django.db import (
+    DEFAULT_DB_ALIAS,
     DatabaseError,
     InterfaceError,
     OperationalError,
     close_old_connections,
     connection,
+    connections,
 )
 
 from . import engine, notify, options, sql, workers
@@ -748,12 +750,13 @@ class WorkerProcess:
 def _transaction_left_open() -> bool:
     """Whether the main connection is inside a transaction (worker code runs none across
     a handler call, so any such is the handler's)."""
-    raw = connection.connection
+    db = connections[DEFAULT_DB_ALIAS]  # one look-up: each through the proxy is another
+    raw = db.connection
     if raw is None:
         return False
-    if connection.in_atomic_block or not connection.autocommit:
+    if db.in_atomic_block or not db.autocommit:
         return True
-    if sql.is_postgres():
+    if db.vendor == "postgresql":
         from psycopg.pq import TransactionStatus
 
         # Not UNKNOWN: a connection broken under the handler is a database fault, not this.
