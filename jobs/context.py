@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import threading
@@ -109,6 +110,10 @@ class JobContext:
         # outer transaction ends. (Built by hand, e.g. in a test's transaction, only the
         # outermost block sets it: the caller's transaction is not the job's.)
         idle_timeout = self.own_connection or not connection.in_atomic_block
+        # In a worker, a block nested in the handler's own transaction commits only with
+        # it: the progress it writes stays pending until then (written again before the
+        # settle if that transaction rolls back), so the last value is never lost.
+        inside_handlers = self.own_connection and connection.in_atomic_block
         try:
             with transaction.atomic():
                 engine.check_lease(self.job, idle_timeout=idle_timeout)
@@ -117,6 +122,9 @@ class JobContext:
                 # with any reclaim or settle of the job row (see engine.fence). A held-back
                 # progress write is guarded by state and lease token too, so it is a fence.
                 written = self._write_pending_progress()
+                if written is not None and inside_handlers:
+                    self._pending_progress = written
+                    transaction.on_commit(functools.partial(self._progress_committed, written))
                 if complete:
                     engine.complete(self.job, result)
                     # Only once it commits: inside a handler's own outer transaction that
@@ -131,6 +139,10 @@ class JobContext:
             if written is not None and self._pending_progress is None:
                 self._pending_progress = written  # rolled back with the block: keep it
             raise
+
+    def _progress_committed(self, written: tuple[int, int | None, str]) -> None:
+        if self._pending_progress is written:  # no newer value came meanwhile
+            self._pending_progress = None
 
     def _mark_completed(self, result: Any) -> None:
         self.completed = True

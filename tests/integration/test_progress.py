@@ -71,3 +71,16 @@ def test_the_worker_writes_the_last_value_before_it_settles(run_worker, monkeypa
     events = progress_events(job.pk)
     assert len(events) == 2, events  # the first call, then the last value before the settle
     assert finished.progress["done"] == events[-1]["done"] > 1
+
+
+def test_progress_rolled_back_with_the_handlers_own_transaction_is_written_again(
+    run_worker,
+):
+    """The progress write joined the handler's transaction, which rolled back: the value
+    stays pending and the worker writes it before the settle."""
+    job = enqueueing.enqueue("test.misuse", {"how": "progress_rolled_back"})
+    assert run_worker() == 1
+    finished = Job.objects.get(pk=job.pk)
+    assert finished.state == "succeeded"
+    assert finished.progress == {"done": 5, "total": 10, "note": "halfway"}
+    assert [e["done"] for e in progress_events(job.pk)] == [5]

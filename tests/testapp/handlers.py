@@ -298,6 +298,8 @@ def misuse(ctx: JobContext, *, how: str) -> Any:
     - ``nested_complete``: ``ctx.atomic(complete=True)`` inside another (the outer one's
       completion then finds the job settled by the inner: LeaseLost, lease still held);
     - ``raise_lease_lost``: LeaseLost raised by hand;
+    - ``progress_rolled_back``: reports progress inside its own transaction, which then
+      rolls back;
     - ``cancel_itself``: raises ``ctx.Cancelled`` with no cancel request;
     - ``raise_after_complete``: raises after its ``ctx.atomic(complete=True)`` committed;
     - ``open_atomic`` / ``autocommit_off`` / ``raw_begin``: returns with a transaction
@@ -316,6 +318,10 @@ def misuse(ctx: JobContext, *, how: str) -> Any:
         with ctx.atomic(complete=True, result="done"):
             _effect(ctx, "complete")
         raise RuntimeError("cleanup failed after the job completed")
+    elif how == "progress_rolled_back":
+        with contextlib.suppress(RuntimeError), transaction.atomic():
+            ctx.progress(5, 10, "halfway")  # the first call writes, inside this transaction
+            raise RuntimeError("the handler's own transaction rolls back")
     elif how == "cancel_itself":
         raise ctx.Cancelled("its source was removed")
     elif how == "raise_lease_lost":
