@@ -67,7 +67,13 @@ FAILURE_BACKOFF_BASE = timedelta(hours=1)
 FAILURE_BACKOFF_MAX = timedelta(days=1)
 REFRESH_RETRY = timedelta(days=1)  # when a refresh the refresher enqueued is due again
 GONE_STATUSES = frozenset({404, 410})
+# The 2xx that carry the whole document; a 204 (nothing) or a 206 nobody asked for (a part)
+# must never replace a good body: any other answer fails the fetch, keeping what is kept.
+FULL_BODY_STATUSES = frozenset({200, 203})
 RETRY_STATUSES = frozenset({408, 429})  # 4xx that say "later", not "never"
+# A Retry-After up to this is waited out by the retry (the source's next turn moves); a
+# longer one puts the fetch off (``deferred``): no worker sleeps for it.
+RETRY_AFTER_WAIT_MAX = 60.0
 IDS_PER_QUERY = 1000  # keeps ``pk IN (…)`` under SQLite's bound-parameter limit
 
 
@@ -106,11 +112,16 @@ def fetch(ctx: JobContext, artifact_id: int) -> dict[str, Any]:
     status = response.status
     if status == 304 and artifact.sha256:
         return unchanged(ctx, artifact, response)
-    if 200 <= status < 300:
+    if status in FULL_BODY_STATUSES:
         return stored(ctx, artifact, response)
     if status in GONE_STATUSES:
         return gone(ctx, artifact, response)
     if status >= 500 or status in RETRY_STATUSES:
+        pause = http.retry_after(response)
+        if pause is not None and pause > RETRY_AFTER_WAIT_MAX:
+            return deferred(ctx, artifact, status, pause)
+        if pause is not None:
+            http.hold_off(artifact.source, pause)  # the retry waits its turn till then
         return retry_later(
             ctx,
             artifact,
@@ -138,6 +149,22 @@ def retry_later(
         Artifact.objects.filter(pk=artifact.pk).update(last_error=reason[:10_000])
     log.info("artifact_fetch_retry", artifact_id=artifact.pk, attempt=ctx.attempt, error=reason)
     raise error
+
+
+def deferred(ctx: JobContext, artifact: Artifact, status: int, pause: float) -> dict[str, Any]:
+    """A 429 or 503 asking for a long pause (``Retry-After``): the fetch is put off until
+    then, as the site asked, instead of retried within minutes. Nothing is lost (the body
+    and its index entry stay); the refresher enqueues it once due. The job succeeds."""
+    reason = f"HTTP {status}: the site asked for a pause of {pause:g} s (Retry-After)"
+    result = outcome(artifact, "deferred", status, retry_after=pause)
+    with ctx.atomic(complete=True, result=result):
+        retry_at = db_now() + timedelta(seconds=pause)
+        Artifact.objects.filter(pk=artifact.pk).update(refresh_after=retry_at, last_error=reason)
+        result["retry_at"] = timestamp(retry_at)
+    log.warning(
+        "artifact_fetch_deferred", artifact_id=artifact.pk, source=artifact.source.name, **result
+    )
+    return result
 
 
 def failure_backoff(failures: int) -> timedelta:
@@ -187,16 +214,30 @@ def conditional_headers(artifact: Artifact) -> dict[str, str]:
     if not artifact.sha256 or not blobs.exists(artifact.sha256):
         return {}
     headers = {}
-    if artifact.etag:
+    if sendable(artifact.etag):
         headers["If-None-Match"] = artifact.etag
-    if artifact.last_modified:
+    if sendable(artifact.last_modified):
         headers["If-Modified-Since"] = artifact.last_modified
     return headers
 
 
+def sendable(value: str) -> bool:
+    """Whether a stored validator can go back in a request header: printable ASCII only.
+
+    A server may send other bytes (httpx reads them as UTF-8 or Latin-1); sent back, they
+    could not be encoded, and every later refresh of the artifact would fail the same way.
+    Such a validator is not stored, and one stored before is not sent: a plain GET then.
+    """
+    return bool(value) and value.isascii() and value.isprintable()
+
+
 def stored(ctx: JobContext, artifact: Artifact, response: http.Response) -> dict[str, Any]:
     """A body arrived: keep it, and re-index it if its hash is new."""
-    digest = blobs.store(response.body)  # before the transaction; storing twice is harmless
+    try:
+        digest = blobs.store(response.body)  # before the transaction; storing twice is harmless
+    except OSError as exc:  # a full disk, a store gone read-only: ours, and transient
+        log.error("blob_store_failed", artifact_id=artifact.pk, error=f"{exc}")
+        return retry_later(ctx, artifact, exc)
     previous = artifact.sha256
     if digest == previous:
         return unchanged(ctx, artifact, response, **validators(response))
@@ -296,10 +337,15 @@ def lastmod_of(value: str) -> str:
 
 def validators(response: http.Response) -> dict[str, str]:
     """What a 200 says about its body: type, and the validators of the next conditional GET."""
+    etag = response.headers.get("etag", "")
+    last_modified = response.headers.get("last-modified", "")
     return {
         "content_type": response.headers.get("content-type", "")[:200],
-        "etag": response.headers.get("etag", "")[:500],
-        "last_modified": response.headers.get("last-modified", "")[:100],
+        # A cut validator would never match; one that cannot be sent back is no validator.
+        "etag": etag if sendable(etag) and len(etag) <= 500 else "",
+        "last_modified": last_modified
+        if sendable(last_modified) and len(last_modified) <= 100
+        else "",
     }
 
 

@@ -29,10 +29,21 @@ IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 #: the local host, and newer kernels route the rest of 0/8).
 THIS_NETWORK = ipaddress.ip_network("0.0.0.0/8")
 
-#: Instance metadata services (AWS, GCP, Azure, OpenStack: 169.254.169.254; AWS IPv6;
-#: Alibaba Cloud), refused even to sources allowed private addresses.
+#: Instance metadata and credential services, refused even to sources allowed private
+#: addresses: AWS, GCP, Azure, OpenStack (169.254.169.254, AWS's IPv6 fd00:ec2::254),
+#: Alibaba Cloud (100.100.100.200), and the container credential endpoints that hand out
+#: cloud keys (ECS task credentials 169.254.170.2, EKS Pod Identity 169.254.170.23 and
+#: fd00:ec2::23).
 METADATA = frozenset(
-    ipaddress.ip_address(a) for a in ("169.254.169.254", "fd00:ec2::254", "100.100.100.200")
+    ipaddress.ip_address(a)
+    for a in (
+        "169.254.169.254",
+        "fd00:ec2::254",
+        "100.100.100.200",
+        "169.254.170.2",
+        "169.254.170.23",
+        "fd00:ec2::23",
+    )
 )
 
 
@@ -89,6 +100,8 @@ def is_public(address: IPAddress) -> bool:
         or address.is_multicast
         or address.is_reserved
         or address.is_unspecified
+        # fec0::/10, deprecated but still routed on some networks: Python counts it global.
+        or (isinstance(address, ipaddress.IPv6Address) and address.is_site_local)
     )
 
 

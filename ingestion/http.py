@@ -32,7 +32,8 @@ import zlib
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
+from email.utils import parsedate_to_datetime
 from functools import lru_cache
 from typing import Any
 from urllib.parse import urldefrag, urljoin, urlsplit
@@ -60,6 +61,7 @@ REDIRECT_STATUSES = frozenset({301, 302, 303, 307, 308})
 ROBOTS_MAX_AGE = timedelta(days=1)
 ROBOTS_MAX_BYTES = 512 * 1024  # RFC 9309 asks crawlers to read at least 500 KiB
 CHUNK_BYTES = 64 * 1024
+RETRY_AFTER_MAX = timedelta(days=1)  # the longest pause a site's Retry-After gets
 
 ACCEPT_ENCODING = "gzip, deflate"  # what _Inflater undoes, with a bound
 
@@ -217,19 +219,22 @@ class _PinnedBackend(httpcore.NetworkBackend):
         bad = egress.refused(addresses, private)
         if bad is not None:
             raise _forbidden(self.source, self.deadline.url, host, bad, private)
-        error: OSError | None = None
+        error: Exception | None = None
         for address in addresses:
             try:
                 sock = socket.create_connection((str(address), port), self.deadline.bound(timeout))
             except TimeoutError as exc:
-                raise self.deadline.timed_out(exc, httpcore.ConnectTimeout) from exc
+                error = self.deadline.timed_out(exc, httpcore.ConnectTimeout)
+                if isinstance(error, DeadlinePassed):
+                    raise error from exc
+                continue  # the next address (a dead AAAA record is common), as browsers do
             except OSError as exc:
-                error = exc
+                error = httpcore.ConnectError(str(exc))
                 continue
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             self.connected.append(address)
             return _BoundedStream(sock, self.deadline)
-        raise httpcore.ConnectError(str(error or "no address to connect to"))
+        raise error or httpcore.ConnectError("no address to connect to")
 
     def connect_unix_socket(self, *args: Any, **kwargs: Any) -> httpcore.NetworkStream:
         raise FetchError("unix sockets are not used", transient=False)
@@ -280,6 +285,14 @@ class _BoundedStream(httpcore.NetworkStream):
         except TimeoutError as exc:
             self.close()
             raise self._deadline.timed_out(exc, httpcore.ConnectTimeout) from exc
+        except ssl.SSLCertVerificationError as exc:
+            # The site's certificate (expired, self-signed, another name): not fixed by
+            # retrying in a minute, so not transient; it names the certificate's fault.
+            self.close()
+            raise FetchError(
+                f"GET {self._deadline.url}: TLS certificate refused: {exc.verify_message or exc}",
+                transient=False,
+            ) from exc
         except OSError as exc:  # ssl.SSLError is an OSError
             self.close()
             raise httpcore.ConnectError(str(exc)) from exc
@@ -380,6 +393,9 @@ def _exchange(
         raise FetchError(f"GET {url}: {type(exc).__name__}: {exc or 'no detail'}") from exc
     except httpx.InvalidURL as exc:
         raise FetchError(f"GET {url}: invalid URL: {exc}", transient=False) from exc
+    except (httpx.LocalProtocolError, UnicodeEncodeError) as exc:
+        # A request that cannot be written (a header value that is not ASCII, say).
+        raise FetchError(f"GET {url}: the request cannot be sent: {exc}", transient=False) from exc
     took = time.monotonic() - started
     log.debug("http_get", source=source.name, url=url, status=response.status_code, took=took)
     return Response(response.status_code, url, response.headers, body, took)
@@ -436,6 +452,11 @@ def _read_body(response: httpx.Response, url: str, cap: int, truncate: bool) -> 
     for level, stage in enumerate(stages):
         if not feed(stage.flush(), level + 1):
             return bytes(body[:cap])
+    for stage in stages:
+        if not stage.ended:
+            # The connection closed inside the compressed stream (a body whose length is
+            # the connection's): what decoded so far is a part, never the document.
+            raise FetchError(f"GET {url}: the {stage.name} body was cut before its end")
     return bytes(body[:cap]) if truncate else bytes(body)
 
 
@@ -465,13 +486,20 @@ class _Inflater:
         self.raw_deflate = False
         self._decoder = self._new()
         self._first = True
+        self._fed = False
 
     def _new(self) -> Any:
         if self.name in ("gzip", "x-gzip"):
             return zlib.decompressobj(16 + zlib.MAX_WBITS)
         return zlib.decompressobj(-zlib.MAX_WBITS if self.raw_deflate else zlib.MAX_WBITS)
 
+    @property
+    def ended(self) -> bool:
+        """Whether the stream reached its end marker (or never began: an empty body)."""
+        return self._decoder.eof or not self._fed
+
     def decode(self, data: bytes) -> Iterator[bytes]:
+        self._fed = self._fed or bool(data)
         while data:
             try:
                 piece = self._decoder.decompress(data, CHUNK_BYTES)
@@ -555,6 +583,35 @@ def wait_turn(source: Source) -> float:
     if wait > 0:
         time.sleep(wait)
     return wait
+
+
+def retry_after(response: Response) -> float | None:
+    """The seconds a 429 or 503 asks us to wait (``Retry-After``: seconds, or an HTTP
+    date), at most :data:`RETRY_AFTER_MAX`; None when absent, past, or not understood."""
+    value = response.headers.get("retry-after", "").strip()
+    if value.isdigit():
+        seconds = float(int(value[:12]))  # twelve digits are already past any cap
+    else:
+        try:
+            when = parsedate_to_datetime(value)
+        except (TypeError, ValueError, IndexError, OverflowError):
+            return None
+        if when.tzinfo is None:
+            when = when.replace(tzinfo=UTC)
+        seconds = (when - timezone.now()).total_seconds()
+    if not seconds > 0:
+        return None
+    return min(seconds, RETRY_AFTER_MAX.total_seconds())
+
+
+def hold_off(source: Source, seconds: float) -> None:
+    """The site asked for a pause: no request of ``source`` before ``seconds`` from now
+    (its next turn, :func:`wait_turn`, moves there; it never moves back)."""
+    with transaction.atomic():
+        locked = Source.objects.select_for_update().only("next_request_at").get(pk=source.pk)
+        until = engine.db_now() + timedelta(seconds=seconds)
+        if locked.next_request_at is None or locked.next_request_at < until:
+            Source.objects.filter(pk=source.pk).update(next_request_at=until)
 
 
 def _spacing(seconds: float) -> timedelta:
@@ -670,7 +727,8 @@ def _other_robots(client: httpx.Client, source: Source, origin: str, deadline: D
 
 
 def _fetch_robots(client: httpx.Client, source: Source, origin: str, deadline: Deadline) -> str:
-    """robots.txt by RFC 9309: 2xx is the rules, 4xx allows everything, 5xx retries later.
+    """robots.txt by RFC 9309: 2xx is the rules, 4xx allows everything, 5xx retries later
+    (and 408 and 429, which say "later", not "there is none").
 
     Only the first :data:`ROBOTS_MAX_BYTES` are read (RFC 9309 §2.5: at least 500 KiB,
     the rest ignored), up to the last complete line.
@@ -691,8 +749,8 @@ def _fetch_robots(client: httpx.Client, source: Source, origin: str, deadline: D
             body = body[: body.rfind(b"\n") + 1]  # a rule cut in half is no rule
             log.info("robots_truncated", source=source.name, url=url, size=len(body))
         return body.decode("utf-8", errors="replace")
-    if 400 <= answer.status < 500:
-        return ""
+    if 400 <= answer.status < 500 and answer.status not in (408, 429):
+        return ""  # unavailable: allow all; but "too many requests" is no answer to that
     raise FetchError(f"GET {url}: robots.txt answered {answer.status}; not crawling until it works")
 
 

@@ -6,6 +6,7 @@ so retries, dead jobs and fenced writes are the engine's own.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 from collections.abc import Iterator
 from datetime import timedelta
@@ -189,6 +190,93 @@ def test_the_last_attempt_at_a_transient_failure_puts_the_fetch_off_with_an_issu
     assert issue.details["reason"].startswith("RetryableStatus")
     assert issue.details["http_status"] == 503
     assert not issues_of(artifact, IssueKind.PERMANENT_FETCH_FAILURE)
+
+
+def _raw_answer(head: bytes, body: bytes):
+    """A reply written byte for byte: ``head`` (status line and headers), then ``body``."""
+
+    def answer(handler) -> None:
+        handler.wfile.write(head + b"\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+
+    return answer
+
+
+@pytest.mark.parametrize("header", [b'ETag: "caf\xc3\xa9"', b"Last-Modified: Mon, 01 Jan 2024\xa0"])
+def test_a_validator_that_cannot_be_sent_back_is_not_kept(site, source, run_worker, header):
+    """httpx reads a non-ASCII header value, but cannot send it: kept as the next
+    conditional GET's validator, it failed every later refresh of the artifact (audit)."""
+    site.raw["/odd"] = _raw_answer(
+        b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\n" + header, b"hello"
+    )
+    artifact = artifact_at(source, "/odd")
+    assert fetch(run_worker, artifact).state == State.SUCCEEDED
+    assert (artifact.etag, artifact.last_modified) == ("", "")
+    # One stored by an earlier version is not sent either: the refresh is a plain GET.
+    Artifact.objects.filter(pk=artifact.pk).update(etag='"caf\xe9"', last_modified="\xa0")
+    artifact.refresh_from_db()
+    assert artifacts_module.conditional_headers(artifact) == {}
+    assert fetch(run_worker, artifact).state == State.SUCCEEDED
+
+
+def _disk_full(target: object, data: object) -> None:
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def test_a_full_blob_store_is_transient_and_the_last_attempt_puts_the_fetch_off(
+    source, run_worker, monkeypatch
+):
+    """The blob store's disk is full: ours, and transient. It used to kill the job on the
+    last attempt and leave a new artifact with nothing scheduled, never fetched (audit)."""
+    monkeypatch.setattr(blobs, "write_durably", _disk_full)
+    artifact = artifact_at(source, DOC)
+    first = fetch(run_worker, artifact)
+    assert (first.state, first.attempts) == (State.QUEUED, 1)  # retried, with backoff
+    assert "No space left on device" in first.last_error
+    Job.objects.filter(pk=first.pk).delete()
+    enqueue(FETCH_KIND, {"artifact_id": artifact.pk}, max_attempts=1)
+    run_worker()
+    last = Job.objects.filter(kind=FETCH_KIND).latest("pk")
+    artifact.refresh_from_db()
+    assert last.state == State.SUCCEEDED and last.result["outcome"] == "failing"
+    assert artifact.failures == 1 and artifact.refresh_after is not None
+    assert artifacts_module.stale().filter(pk=artifact.pk).count() == 0  # due in an hour
+    [issue] = issues_of(artifact, IssueKind.FETCH_FAILING)
+    assert "No space left on device" in issue.details["reason"]
+
+
+@pytest.mark.parametrize("status", [204, 206])
+def test_a_2xx_without_the_whole_body_never_replaces_a_good_one(site, source, run_worker, status):
+    artifact = artifact_at(source, DOC)
+    assert fetch(run_worker, artifact).state == State.SUCCEEDED
+    good = artifact.sha256
+    site.replies[DOC] = (status, "text/plain", b"" if status == 204 else b"<h")
+    job = fetch(run_worker, artifact)
+    assert job.state == State.DEAD and f"HTTP {status}" in job.last_error
+    assert (artifact.state, artifact.sha256) == ("fetched", good)
+
+
+@pytest.mark.parametrize("status", [429, 503])
+def test_a_long_retry_after_puts_the_fetch_off_until_then(site, source, run_worker, status):
+    """Retry-After: 3600 is honoured: one request, then nothing until the hour is over
+    (eight retries within ten minutes hammered a site asking for a pause)."""
+    site.replies["/busy"] = (status, "text/plain", b"busy\n", {"Retry-After": "3600"})
+    artifact = artifact_at(source, "/busy")
+    job = fetch(run_worker, artifact)
+    assert (job.state, job.attempts) == (State.SUCCEEDED, 1)
+    assert job.result["outcome"] == "deferred" and job.result["retry_after"] == 3600
+    assert len(site.requests_to("/busy")) == 1
+    assert timedelta(minutes=59) < artifact.refresh_after - timezone.now() <= timedelta(hours=1)
+    assert "Retry-After" in artifact.last_error
+    assert artifact.state == "discovered" and not ReconciliationIssue.objects.exists()
+
+
+def test_a_short_retry_after_holds_the_sources_next_request(site, source, run_worker):
+    site.replies["/busy"] = (429, "text/plain", b"busy\n", {"Retry-After": "30"})
+    artifact = artifact_at(source, "/busy")
+    job = fetch(run_worker, artifact)
+    assert (job.state, job.attempts) == (State.QUEUED, 1)  # the engine retries it
+    source.refresh_from_db()
+    assert timedelta(seconds=25) < source.next_request_at - timezone.now() <= timedelta(seconds=30)
 
 
 def test_a_403_is_permanent_dead_job_and_an_issue(source, run_worker):

@@ -19,6 +19,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from ipaddress import ip_address
 from itertools import pairwise
 
+import httpx
 import pytest
 from django.db import connection, transaction
 from django.utils import timezone
@@ -147,6 +148,36 @@ def test_an_unavailable_robots_txt_is_a_transient_error_and_not_cached(site, sou
     assert "/docs/a.html" not in paths(site)
     del site.redirects["/robots.txt"]
     assert http.get(source, site.url("/docs/a.html")).status == 200
+
+
+@pytest.mark.parametrize("status", [408, 429])
+def test_a_robots_txt_answering_later_is_transient_not_allow_all(site, source, status):
+    """408 and 429 say "try later", not "there is none": read as a missing robots.txt,
+    a site shedding load had its Disallow rules ignored for a day (audit)."""
+    site.robots_txt = "User-agent: *\nDisallow: /private/\n"
+    site.replies["/robots.txt"] = (status, "text/plain", b"slow down\n", {"Retry-After": "60"})
+    with pytest.raises(http.FetchError) as failed:
+        http.get(source, site.url("/private/page.html"))
+    assert failed.value.transient is True and f"answered {status}" in str(failed.value)
+    source.refresh_from_db()
+    assert source.robots_fetched_at is None  # nothing cached
+    del site.replies["/robots.txt"]
+    with pytest.raises(http.RobotsDisallowed):
+        http.get(source, site.url("/private/page.html"))
+
+
+def test_retry_after_is_read_as_seconds_or_a_date_and_capped():
+    def answer(value: str) -> float | None:
+        return http.retry_after(
+            http.Response(429, "http://x/", httpx.Headers({"Retry-After": value}), b"", 0.0)
+        )
+
+    assert answer("120") == 120
+    assert answer("99999999999999999999") == 86400  # at most a day
+    later = timezone.now() + timedelta(hours=1)
+    assert 3500 < answer(later.strftime("%a, %d %b %Y %H:%M:%S GMT")) <= 3600
+    for ignored in ("", "0", "-5", "soon", "Mon, 01 Jan 2001 00:00:00 GMT", "1.5"):
+        assert answer(ignored) is None, ignored
 
 
 def test_robots_txt_is_matched_against_holdfasts_user_agent(site, source):
@@ -299,6 +330,10 @@ def test_a_malformed_redirect_location_is_a_permanent_fetch_error(site, source, 
         ("0.0.0.1", False, False),  # "this network" (0/8): never, not only 0.0.0.0
         ("0.1.2.3", False, False),
         ("::ffff:0.1.2.3", False, False),
+        ("169.254.170.2", False, False),  # ECS task credentials: never
+        ("169.254.170.23", False, False),  # EKS Pod Identity: never
+        ("fd00:ec2::23", False, False),
+        ("fec0::1", False, True),  # site-local (Python counts it global): not public
     ],
 )
 def test_the_address_policy_with_and_without_the_flag(address, public, with_flag):
@@ -524,6 +559,36 @@ def test_an_encoded_body_that_decodes_to_nothing_is_capped_on_the_wire(site, sou
     assert http.get(source, site.url("/random")).body == incompressible
 
 
+def _cut_reply(encoding: str, wire: bytes):
+    """A 200 whose length is the connection's, closed inside the compressed stream."""
+
+    def answer(handler) -> None:
+        handler.wfile.write(
+            b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Encoding: "
+            + encoding.encode()
+            + b"\r\nConnection: close\r\n\r\n"
+            + wire
+        )
+        handler.close_connection = True
+
+    return answer
+
+
+@pytest.mark.parametrize("encoding", ["gzip", "deflate"])
+def test_a_compressed_body_cut_in_transit_is_a_transient_error(site, source, encoding):
+    """No Content-Length: only the stream's own end marker says the body is whole. A cut
+    one decoded to half a document, which was stored over the good one (audit)."""
+    whole = b"a line of the document\n" * 5000
+    wire = gzip.compress(whole) if encoding == "gzip" else zlib.compress(whole)
+    site.raw["/cut"] = _cut_reply(encoding, wire[: len(wire) // 2])
+    with pytest.raises(http.FetchError) as failed:
+        http.get(source, site.url("/cut"))
+    assert failed.value.transient is True
+    assert f"the {encoding} body was cut before its end" in str(failed.value)
+    site.raw["/whole"] = _cut_reply(encoding, wire)  # the same, arriving whole
+    assert http.get(source, site.url("/whole")).body == whole
+
+
 def test_stacked_encodings_are_decoded_in_order(site, source):
     body = b"deflated then gzipped " * 100
     wire = gzip.compress(zlib.compress(body))
@@ -747,3 +812,65 @@ def test_https_connects_by_ip_with_the_host_name_for_sni_and_the_certificate(
     with pytest.raises(http.FetchError) as refused:  # the certificate does not name it
         http.get(Source.objects.get(name="other.example"), f"https://other.example:{port}/x")
     assert "certificate" in str(refused.value).lower() or "hostname" in str(refused.value)
+    # The site's certificate is its configuration: retrying within minutes cannot help.
+    assert refused.value.transient is False
+    assert "TLS certificate refused" in str(refused.value)
+
+
+def test_an_untrusted_certificate_is_a_permanent_error_naming_it(tls_site, resolver):
+    port, _, _ = tls_site  # self-signed: no trusted authority signed it
+    resolver["docs.example"] = ["127.0.0.1"]
+    source = Source.objects.create(
+        name="tls", kind="sitemap", url=f"https://docs.example:{port}/sitemap.xml",
+        schedule="0 3 * * *", spacing_seconds=0, allow_private=True,
+    )  # fmt: skip
+    with pytest.raises(http.FetchError) as refused:
+        http.get(source, f"https://docs.example:{port}/x")
+    assert refused.value.transient is False
+    assert "TLS certificate refused" in str(refused.value) and "self-signed" in str(refused.value)
+
+
+@pytest.fixture
+def blackhole(site: FixtureSite) -> Iterator[str]:
+    """127.0.0.2 on the site's port: a listener whose backlog is full and that never
+    accepts, so a connect there times out (a dead A or AAAA record)."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.2", site.port))
+    listener.listen(0)
+    fillers = [socket.socket() for _ in range(4)]
+    for filler in fillers:
+        filler.setblocking(False)
+        filler.connect_ex(("127.0.0.2", site.port))
+    time.sleep(0.2)
+    probe = socket.socket()
+    probe.settimeout(0.5)
+    try:
+        probe.connect(("127.0.0.2", site.port))
+        pytest.fail("could not make a black-holed address on 127.0.0.2")
+    except TimeoutError:
+        pass
+    finally:
+        probe.close()
+    try:
+        yield "127.0.0.2"
+    finally:
+        for filler in fillers:
+            filler.close()
+        listener.close()
+
+
+def test_a_dead_first_address_falls_back_to_the_next(site, resolver, blackhole, settings):
+    """A connect that times out on one address goes on to the next, as
+    socket.create_connection and browsers do; it raised at once (audit)."""
+    settings.HOLDFAST_FETCH_TIMEOUT_SECONDS = 1
+    resolver["dual.example"] = [blackhole, "127.0.0.1"]
+    source = Source.objects.create(
+        name="dual", kind="sitemap", url=f"http://dual.example:{site.port}/sitemap.xml",
+        schedule="0 3 * * *", spacing_seconds=0, allow_private=True,
+    )  # fmt: skip
+    response = http.get(source, f"http://dual.example:{site.port}/docs/a.html")
+    assert response.status == 200
+    resolver["dual.example"] = [blackhole]  # no other address: the timeout, transient
+    with pytest.raises(http.FetchError) as failed:
+        http.get(source, f"http://dual.example:{site.port}/docs/b.html")
+    assert failed.value.transient is True and "ConnectTimeout" in str(failed.value)
