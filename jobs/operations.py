@@ -291,22 +291,45 @@ def _cancel(job_id: int, actor: str) -> Job:
     raise StateConflict(f"job {job_id} is {job.state}: it has finished, nothing to cancel")
 
 
-def prune(older_than: timedelta, include_dead: bool = False, batch: int = 5000) -> int:
+def prune(
+    older_than: timedelta,
+    include_dead: bool = False,
+    batch: int = 5000,
+    tally: dict[str, int] | None = None,
+) -> int:
     """Delete finished jobs (and their attempts) that finished more than ``older_than`` ago.
 
     Succeeded and cancelled jobs only, unless ``include_dead``: dead jobs are evidence an
     operator may still need. Queued and running jobs are never pruned. Deletes in batches
     so that no single transaction holds the table for long; returns how many went.
+
+    Each batch commits on its own, so ``jobs_pruned`` is logged however the run ends: a
+    database error or an interruption (``interrupted``) after some batches still says how
+    many went. ``tally`` (per state) is kept up to date batch by batch for the caller.
     """
     states = [State.SUCCEEDED, State.CANCELLED] + ([State.DEAD] if include_dead else [])
-    deleted = sum(retention.prune(dict.fromkeys(states, older_than), batch=batch).values())
-    log.info(
-        "jobs_pruned",
-        count=deleted,
-        older_than_s=older_than.total_seconds(),
-        include_dead=include_dead,
-    )
-    return deleted
+    tally = {} if tally is None else tally
+    ended_by: BaseException | None = None
+    try:
+        retention.prune(dict.fromkeys(states, older_than), batch=batch, tally=tally)
+    except BaseException as exc:
+        ended_by = exc
+        raise
+    finally:
+        fields: dict[str, Any] = {
+            "count": sum(tally.values()),
+            "older_than_s": older_than.total_seconds(),
+            "include_dead": include_dead,
+        }
+        if ended_by is None:
+            log.info("jobs_pruned", **fields)
+        else:
+            log.warning("jobs_pruned", **fields, interrupted=_error_name(ended_by))
+    return sum(tally.values())
+
+
+def _error_name(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
 
 def requeue_one(job_id: int, actor: str = "operator") -> Job:

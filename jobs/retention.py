@@ -48,11 +48,14 @@ def prune(
     max_batches: int | None = None,
     dry_run: bool = False,
     between: Callable[[], None] | None = None,
+    tally: dict[str, int] | None = None,
 ) -> dict[str, int]:
     """Delete the jobs of each state in ``rules`` that finished longer ago than its time
     (database clock); returns how many per state (with ``dry_run``: how many would go).
-    ``between`` runs after each batch (a worker's lease keeper renews there)."""
-    found: dict[str, int] = {}
+    ``between`` runs after each batch (a worker's lease keeper renews there); ``tally``,
+    if given, is the dict returned, filled batch by batch (a caller interrupted midway
+    still knows what went)."""
+    found: dict[str, int] = {} if tally is None else tally
     for state, older_than in rules.items():
         if state not in FINISHED_STATES:
             raise ValueError(f"only finished jobs are pruned, not {state!r} ones")

@@ -7,10 +7,13 @@ usage errors and bad input, always with a one-line reason on stderr and no trace
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import math
 import re
+import signal
+from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any, NoReturn
 
@@ -51,6 +54,44 @@ def failed(message: str) -> CommandError:
     return CommandError(message, returncode=1)
 
 
+class Interrupted(KeyboardInterrupt):
+    """SIGTERM (a service stop, a timeout) or SIGINT (Ctrl-C) ended a command's work."""
+
+    def __init__(self, signum: int = signal.SIGINT) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def interrupted(exc: KeyboardInterrupt, done: str = "") -> CommandError:
+    """Exit 128 + the signal's number (130 for Ctrl-C, 143 for SIGTERM), with one line
+    saying what was done before it, instead of a traceback (or, for SIGTERM, nothing)."""
+    signum = exc.signum if isinstance(exc, Interrupted) else signal.SIGINT
+    detail = f"; {done}" if done else ""
+    return CommandError(
+        f"interrupted by {signal.Signals(signum).name}{detail}", returncode=128 + signum
+    )
+
+
+@contextlib.contextmanager
+def sigterm_interrupts() -> Iterator[None]:
+    """Inside: SIGTERM raises :class:`Interrupted`, so a long command's ``finally`` blocks
+    run (a batch's transaction rolls back, what was done is logged) instead of the process
+    dying where it stands."""
+
+    def stop(signum: int, frame: object) -> None:
+        raise Interrupted(signum)
+
+    try:
+        previous = signal.signal(signal.SIGTERM, stop)
+    except ValueError:  # not the main thread: leave signals alone
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 # Django's own options: not the command's input.
 DJANGO_OPTIONS = frozenset(
     {"settings", "pythonpath", "traceback", "no_color", "force_color", "verbosity", "skip_checks"}
@@ -88,6 +129,8 @@ class JobsCommand(BaseCommand):
             return super().execute(*args, **options)
         except CommandError:
             raise
+        except KeyboardInterrupt as exc:
+            raise interrupted(exc) from None
         except BAD_INPUT as exc:
             raise bad_input(str(exc)) from None
         except FAILED as exc:

@@ -3,7 +3,7 @@ from typing import Any
 from django.core.management.base import CommandParser
 
 from jobs import operations, retention
-from jobs.management.base import JobsCommand, parse_duration
+from jobs.management.base import JobsCommand, interrupted, parse_duration, sigterm_interrupts
 from jobs.models import State
 
 
@@ -31,7 +31,13 @@ class Command(JobsCommand):
             found = retention.prune(dict.fromkeys(states, older_than), dry_run=True)
             count = sum(found.values())
         else:
-            count = operations.prune(older_than, include_dead=include_dead)
+            tally: dict[str, int] = {}
+            try:
+                with sigterm_interrupts():
+                    count = operations.prune(older_than, include_dead=include_dead, tally=tally)
+            except KeyboardInterrupt as exc:
+                done = f"{sum(tally.values())} finished job(s) were pruned before it"
+                raise interrupted(exc, done) from None
         if options["as_json"]:
             self.emit_json(
                 {
