@@ -236,7 +236,25 @@ def _is_lock_wait(exc: OperationalError) -> bool:
     return "database is locked" in str(exc)
 
 
+CANCEL_PASSES = 5  # looks at a job that keeps moving between queued and running
+
+
 def _cancel(job_id: int, actor: str) -> Job:
+    """Each pass tries the three guarded transitions in turn. On PostgreSQL a worker can
+    commit between them (an UPDATE that matches nothing locks nothing): a running attempt
+    retried or released to ``queued`` after the first, say. So a job found still queued or
+    running is looked at again; only a finished one is refused."""
+    for _ in range(CANCEL_PASSES):
+        job = _cancel_pass(job_id, actor)
+        if job is not None:
+            return job
+        job = get_job(job_id)  # raises JobNotFound for an unknown id
+        if job.state not in (State.QUEUED, State.RUNNING):
+            raise StateConflict(f"job {job_id} is {job.state}: it has finished, nothing to cancel")
+    raise StateConflict(f"job {job_id} kept changing state: nothing changed, try again")
+
+
+def _cancel_pass(job_id: int, actor: str) -> Job | None:
     if Job.objects.filter(pk=job_id, state=State.QUEUED).update(
         state=State.CANCELLED,
         cancel_requested=True,
@@ -287,8 +305,7 @@ def _cancel(job_id: int, actor: str) -> Job:
             by=actor,
         )
         return job
-    job = get_job(job_id)  # raises JobNotFound for an unknown id
-    raise StateConflict(f"job {job_id} is {job.state}: it has finished, nothing to cancel")
+    return None
 
 
 def prune(

@@ -8,18 +8,21 @@ phases with real worker processes are in ``tests/process/test_cancel_phases.py``
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import pytest
+from django.db import connections
+from django.db.models import query as django_query
 
-from jobs import Cancelled, StateConflict, engine, enqueueing, operations
+from jobs import Cancelled, StateConflict, engine, enqueueing, operations, sql
 from jobs.context import JobContext
 from jobs.events import events, one_event
 from jobs.models import Job, Lease, Outcome, State
 from jobs.sql import Claimed
 from tests.testapp.models import Effect
 
-from .helpers import claim_one, expire_lease
+from .helpers import claim_one, expire_lease, failure
 
 pytestmark = pytest.mark.django_db
 
@@ -178,3 +181,40 @@ def test_a_cancel_request_outlives_an_attempt_that_died_and_reaches_the_next_one
         "claimed",
         "settled",
     ]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_cancel_racing_a_retry_settle_still_cancels_the_job(monkeypatch) -> None:
+    """The running attempt fails and goes back to ``queued`` between the cancel's first
+    guarded statement (queued -> cancelled: no match yet) and its last (running ->
+    cancel_requested: no match any more). The cancel looks again and cancels it; it used
+    to refuse, saying the queued job "has finished" (audit). PostgreSQL only: there an
+    UPDATE matching nothing locks nothing, so a worker commits in between; on SQLite the
+    cancel's write transaction keeps every other writer out."""
+    if not sql.is_postgres():
+        pytest.skip("SQLite's single writer rules this interleaving out")
+    job = enqueueing.enqueue("test.fail")  # max_attempts=3: a failed attempt is retried
+    claimed = claim_one()
+    original = django_query.QuerySet.__bool__
+    fired: list[bool] = []
+
+    def settle_meanwhile(self: Any) -> bool:
+        if not fired and self.model is Job:  # the cancel's first look after statement one
+            fired.append(True)
+            worker = threading.Thread(target=_fail_and_close, args=(claimed,))
+            worker.start()
+            worker.join()
+        return original(self)
+
+    monkeypatch.setattr(django_query.QuerySet, "__bool__", settle_meanwhile)
+    assert operations.cancel(job.pk, actor="tester").state == State.CANCELLED
+    assert fired
+    assert Job.objects.get(pk=job.pk).state == State.CANCELLED
+
+
+def _fail_and_close(claimed: Claimed) -> None:
+    """A worker's retry settle, on a connection of its own."""
+    try:
+        engine.fail(claimed, failure(), 0)
+    finally:
+        connections.close_all()
