@@ -4,12 +4,16 @@ command exits 1, and the API answers 409, only when nothing could be requeued.""
 
 from __future__ import annotations
 
+import tracemalloc
+
 import pytest
+from django.db import connection
 from django.test import Client
 
-from jobs import enqueueing
+from jobs import counts, enqueueing
 from jobs.models import Job, State
 from ops import tokens
+from tests.conftest import on_postgres
 
 from .helpers import exit_code, run, run_json
 from .test_api import call
@@ -99,6 +103,65 @@ def test_named_jobs_that_are_not_dead_are_conflicts_beside_the_requeued_ones():
     assert data["conflicts"] == [
         {"id": alive.pk, "reason": f"job {alive.pk} is queued, not dead: nothing to requeue"}
     ]
+
+
+def test_a_named_dead_job_outside_the_kind_or_lane_given_is_not_requeued():
+    """``requeue_dead 5 --kind K``: job 5 of another kind was requeued all the same (audit)."""
+    echo, noop = dead("test.echo"), dead("test.noop")
+    data = run_json("requeue_dead", str(echo.pk), str(noop.pk), "--kind", "test.noop")
+    assert data["requeued"] == [noop.pk]
+    assert data["conflicts"] == [
+        {"id": echo.pk, "reason": f"job {echo.pk} is not of --kind test.noop: not requeued"}
+    ]
+    echo.refresh_from_db()
+    assert echo.state == State.DEAD
+    assert exit_code("requeue_dead", str(echo.pk), "--lane", "default", "--kind", "test.noop") == 1
+
+
+ERROR_CHARS = 20_000
+
+
+def fill_dead_jobs(n: int) -> None:
+    """``n`` dead jobs, each with a 20,000-character last error, in one statement."""
+    columns = (
+        "kind, lane, args, priority, state, run_at, attempts, max_attempts, lease_seconds, "
+        "lease_token, cancel_requested, last_error, created_at, updated_at, finished_at, locks"
+    )
+    with connection.cursor() as cursor:
+        if on_postgres():
+            cursor.execute(
+                f"INSERT INTO jobs_job ({columns}) SELECT 'test.echo', 'default', '{{}}', 0, "
+                "'dead', now(), 3, 3, 60, 3, false, repeat('x', %s), now(), now(), now(), '[]' "
+                "FROM generate_series(1, %s)",
+                [ERROR_CHARS, n],
+            )
+        else:
+            cursor.execute(
+                "WITH RECURSIVE c(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM c WHERE i < %s) "
+                f"INSERT INTO jobs_job ({columns}) SELECT 'test.echo', 'default', '{{}}', 0, "
+                "'dead', '2026-01-01 00:00:00', 3, 3, 60, 3, 0, printf('%%.*c', %s, 'x'), "
+                "'2026-01-01 00:00:00', '2026-01-01 00:00:00', '2026-01-01 00:00:00', '[]' FROM c",
+                [n, ERROR_CHARS],
+            )
+    counts.recount()
+
+
+def test_requeue_all_reads_dead_jobs_in_batches_of_the_columns_it_needs():
+    """3,000 dead jobs carrying 60 MB of error text: ``--all`` read every whole row into
+    one list (a 65 MB peak; a million dead jobs after an incident, gigabytes) (audit)."""
+    fill_dead_jobs(3000)
+    tracemalloc.start()
+    try:
+        data = run_json("requeue_dead", "--all", "--dry-run")
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert len(data["requeued"]) == 3000
+    assert peak < 20 * 1024 * 1024, f"peak {peak / 1e6:.0f} MB"
+    data = run_json("requeue_dead", "--all")
+    assert len(data["requeued"]) == 3000 and data["conflicts"] == []
+    assert Job.objects.filter(state=State.QUEUED).count() == 3000
+    assert counts.by_lane().get(("default", "dead"), 0) == 0
 
 
 def test_the_api_requeues_per_job_and_is_409_only_when_nothing_was(client, write_token):
