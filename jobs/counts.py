@@ -60,12 +60,15 @@ def other_transitions() -> QuerySet[JobCount, tuple[str, str, int]]:
 
 
 def by_lane() -> dict[tuple[str, str], int]:
-    """(lane, state) → jobs in that state now, for every pair that has any."""
+    """(lane, state) → jobs in that state now, for every pair that has any.
+
+    One statement (``UNION ALL`` of the three parts), so one snapshot: read in three, a
+    job settling between them was counted both running and succeeded, and one requeued
+    between them in no state at all."""
     counts: dict[tuple[str, str], int] = defaultdict(int)
-    for lane, state, n in active():
+    parts = active().union(ended_attempts(), other_transitions(), all=True)
+    for lane, state, n in parts:
         counts[(lane, state)] += n
-    for key, n in finished().items():
-        counts[key] += n
     return {key: n for key, n in sorted(counts.items()) if n}
 
 

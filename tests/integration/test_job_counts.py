@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import importlib
 import re
+import threading
 import uuid
 from datetime import timedelta
 from types import SimpleNamespace
 
 import pytest
 from django.apps import apps as django_apps
-from django.db import connection, transaction
+from django.db import connection, connections, transaction
 from django.db.models import Count
 from django.test import Client
 from django.test.utils import CaptureQueriesContext
@@ -300,3 +301,28 @@ def test_the_one_counter_migration_keeps_every_attempt_count() -> None:
     }
     assert scraped[("test.echo", "succeeded")] == 8  # 5 + 2 folded, 1 since
     assert scraped[("test.fail", "failed")] == 4
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_counts_are_read_in_one_snapshot(monkeypatch):
+    """A job settling while the counts are read is counted once: the running rows and the
+    finished counts were three statements apart, and the job was both (audit)."""
+    enqueueing.enqueue("test.echo")
+    claimed = claim_one()
+    original = counts.ended_attempts
+
+    def settle_meanwhile():
+        worker = threading.Thread(target=_complete_and_close, args=(claimed,))
+        worker.start()
+        worker.join()
+        return original()
+
+    monkeypatch.setattr(counts, "ended_attempts", settle_meanwhile)
+    assert counts.by_lane() == {("default", "succeeded"): 1}
+
+
+def _complete_and_close(claimed):
+    try:
+        engine.complete(claimed)
+    finally:
+        connections.close_all()
