@@ -230,7 +230,7 @@ def decimal_number(text: str) -> float:
     value = float(text)
     if not math.isfinite(value):
         raise argparse.ArgumentTypeError(f"out of range: {text!r}")
-    return value
+    return value + 0.0  # -0 is 0: stored and shown as "-0" it read as a negative
 
 
 def parse_duration(text: str) -> timedelta:

@@ -13,6 +13,7 @@ import pytest
 from django.utils import timezone
 
 from jobs import engine, enqueueing
+from jobs.management.base import decimal_number
 from jobs.models import Job, JobCount, OutcomeCount, Schedule, State
 from ops.models import OpsToken
 from tests.conftest import REPO
@@ -69,6 +70,9 @@ def refused(*args: str) -> str:
         (["list_jobs", "--lane", "nolane"], "unknown lane 'nolane'"),
         (["requeue_dead", "--kind", "no.such"], "unknown kind 'no.such'"),
         (["requeue_dead", "--lane", "nolane"], "unknown lane 'nolane'"),
+        (["search", "lighthouse", "--limit", "\u0665"], "not a number"),
+        (["search", "lighthouse", "--limit", " 5"], "not a number"),
+        (["search", "lighthouse", "--limit", "1_0"], "not a number"),
     ],
 )
 def test_bad_input_is_exit_2_with_a_reason_and_nothing_done(args, reason):
@@ -242,3 +246,9 @@ def test_a_kind_filter_never_imports_a_module_outside_the_installed_apps() -> No
     assert "this" not in sys.modules
     assert operations.is_task("tests.testapp.tasks.add")
     assert not operations.is_task("this.x") and not operations.is_task("nodots")
+
+
+def test_minus_zero_is_zero():
+    """``-0`` is a number, and zero: stored as -0.0 it read "spacing -0 s" (audit)."""
+    assert str(decimal_number("-0")) == "0.0"
+    assert str(decimal_number("-0.0e3")) == "0.0"

@@ -4,7 +4,7 @@ from typing import Any
 from django.core.management.base import CommandParser
 
 from ingestion.search import DEFAULT_LIMIT, MAX_LIMIT, hit_dict, search
-from jobs.management.base import JobsCommand
+from jobs.management.base import JobsCommand, whole_number
 
 
 class Command(JobsCommand):
@@ -40,10 +40,7 @@ class Command(JobsCommand):
 
 def hit_limit(text: str) -> int:
     """argparse type for --limit: 1 to MAX_LIMIT hits."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    value = whole_number(text, "a number")  # ASCII digits only, as every command's numbers
     if not 1 <= value <= MAX_LIMIT:
         raise argparse.ArgumentTypeError(f"--limit must be from 1 to {MAX_LIMIT}")
     return value
