@@ -35,7 +35,7 @@ from django.utils.json import normalize_json
 from django.utils.module_loading import import_string
 
 from . import lanes as lane_config
-from . import options, sql
+from . import options
 from .exceptions import Cancelled, InvalidJob, LaneFull, LaneRefused, PermanentError, UnknownKind
 from .registry import TASK_KIND, handler
 
@@ -482,6 +482,8 @@ def _final_failure(exc: BaseException, ctx: JobContext) -> bool:
     """Whether this attempt's failure ends the task: a permanent error, or the last
     attempt failing. A database fault (a restart, a failover; ``sql.fault``) is neither:
     the worker gives the job back uncharged and it runs again."""
+    from . import sql  # imports the models: not at this module's import (holdfast.E010)
+
     if isinstance(exc, DatabaseError) and sql.fault(exc) is not None:
         return False
     return ctx.attempt >= ctx.max_attempts or isinstance(
