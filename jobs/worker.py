@@ -147,6 +147,7 @@ class WorkerProcess:
     # --- lifecycle ---------------------------------------------------------------------
 
     def run(self) -> int:
+        self._pid = os.getpid()  # this process's, whoever built the object
         autodiscover()
         self.kinds = engine.served_kinds()
         previous = self._install_signal_handlers()
