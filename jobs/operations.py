@@ -198,6 +198,28 @@ def requeue_each(
     return RequeueReport(requeued, conflicts)
 
 
+# What a requeue reads of a job: enough to decide and to write it, nothing of its args,
+# result or errors (a backlog of dead jobs is read a batch at a time, these columns only).
+REQUEUE_FIELDS = ("pk", "kind", "lane", "state", "unique_key")
+
+
+def left_out(
+    ids: Sequence[int], chosen: set[int], wanted: str, actor: str = "operator"
+) -> list[dict[str, Any]]:
+    """The conflicts of named jobs a selection (``chosen``) left out: one that is not dead
+    (as ``requeue_each`` words it), or a dead one outside the filter (``wanted``, e.g.
+    ``kind K``), which must not be requeued all the same."""
+    jobs = Job.objects.filter(pk__in=[pk for pk in ids if pk not in chosen]).only(*REQUEUE_FIELDS)
+    conflicts = requeue_each(
+        [job for job in jobs if job.state != State.DEAD], actor=actor
+    ).conflicts
+    return conflicts + [
+        {"id": job.pk, "reason": f"job {job.pk} is not of {wanted}: not requeued"}
+        for job in jobs
+        if job.state == State.DEAD
+    ]
+
+
 def requeue_dead(jobs: Sequence[Job], actor: str = "operator") -> list[int]:
     """``requeue_each``, returning only the ids requeued."""
     return requeue_each(jobs, actor=actor).requeued

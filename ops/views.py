@@ -228,7 +228,7 @@ class RequeueDeadView(OpsView):
         selected: list[Job] = []
         more = False
         if ids or kind or lane or chosen["all"]:  # a body that names nothing chooses no job
-            dead = operations.dead_jobs(ids, kind=kind, lane=lane)
+            dead = operations.dead_jobs(ids, kind=kind, lane=lane).only(*operations.REQUEUE_FIELDS)
             if not ids:  # a filter: one bounded batch, oldest first, from `after` on
                 limit = chosen["limit"]
                 selected = list(dead.filter(pk__gt=chosen.get("after", 0))[: limit + 1])
@@ -237,25 +237,31 @@ class RequeueDeadView(OpsView):
                 selected = list(dead)
             if not selected and not chosen.get("after"):  # an unknown kind or lane: bad input
                 check_filters(kind, lane)
-        if ids:  # named jobs that are not dead are conflicts, reported with the rest
-            found = {job.pk for job in selected}
-            others = Job.objects.filter(pk__in=[pk for pk in ids if pk not in found])
-            missing = sorted(set(ids) - found - {job.pk for job in others})
+        if ids:
+            known = set(Job.objects.filter(pk__in=ids).values_list("pk", flat=True))
+            missing = sorted(set(ids) - known)
             if missing:
                 raise NotFound(f"no job with id {', '.join(map(str, missing))}")
-            selected = sorted([*selected, *others], key=lambda job: job.pk)
-        report = operations.requeue_each(
-            selected, actor=principal(request).name, dry_run=chosen["dry_run"]
-        )
+        actor = principal(request).name
+        report = operations.requeue_each(selected, actor=actor, dry_run=chosen["dry_run"])
+        conflicts = report.conflicts
+        if ids:  # named jobs not selected: not dead, or outside the kind or lane given
+            wanted = " and ".join(
+                f"{name} {value}" for name, value in (("kind", kind), ("lane", lane)) if value
+            )
+            found = {job.pk for job in selected}
+            conflicts = sorted(
+                conflicts + operations.left_out(ids, found, wanted, actor), key=lambda c: c["id"]
+            )
         data: dict[str, Any] = {
             "requeued": report.requeued,
             "dry_run": chosen["dry_run"],
-            "conflicts": report.conflicts,
+            "conflicts": conflicts,
             "more": more,
             "last_id": selected[-1].pk if selected else None,
         }
-        if report.conflicts and not report.requeued:
-            reasons = "; ".join(conflict["reason"] for conflict in report.conflicts[:3])
+        if conflicts and not report.requeued:
+            reasons = "; ".join(conflict["reason"] for conflict in conflicts[:3])
             refused = {"error": f"nothing requeued: {reasons}", "code": "conflict", **data}
             return Response(refused, status=409)
         return Response(data)

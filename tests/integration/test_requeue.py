@@ -118,6 +118,19 @@ def test_a_named_dead_job_outside_the_kind_or_lane_given_is_not_requeued():
     assert exit_code("requeue_dead", str(echo.pk), "--lane", "default", "--kind", "test.noop") == 1
 
 
+def test_the_api_requeues_no_named_dead_job_outside_the_kind_given(client, write_token):
+    echo, noop = dead("test.echo"), dead("test.noop")
+    body = {"ids": [echo.pk, noop.pk], "kind": "test.noop"}
+    response = call(client, "POST", "dead-jobs/requeue/", write_token, body)
+    assert response.status_code == 200, response.content
+    data = response.json()
+    assert data["requeued"] == [noop.pk]
+    assert data["conflicts"] == [
+        {"id": echo.pk, "reason": f"job {echo.pk} is not of kind test.noop: not requeued"}
+    ]
+    assert Job.objects.get(pk=echo.pk).state == State.DEAD
+
+
 ERROR_CHARS = 20_000
 
 

@@ -4,10 +4,9 @@ from django.core.management.base import CommandParser
 
 from jobs import operations
 from jobs.management.base import JobsCommand, bad_input, failed, row_id
-from jobs.models import Job, State
+from jobs.models import Job
 
 BATCH = 1000  # dead jobs read and requeued at a time
-FIELDS = ("pk", "kind", "lane", "state", "unique_key")  # what a requeue reads of a job
 
 
 class Command(JobsCommand):
@@ -31,7 +30,7 @@ class Command(JobsCommand):
         """Requeue the selected dead jobs in batches of :data:`BATCH` (by id), reading only
         the columns a requeue needs: a million dead jobs with big errors and arguments
         must not all be in memory at once."""
-        query = operations.dead_jobs(ids, kind=kind, lane=lane).only(*FIELDS)
+        query = operations.dead_jobs(ids, kind=kind, lane=lane).only(*operations.REQUEUE_FIELDS)
         requeued: list[int] = []
         conflicts: list[dict[str, Any]] = []
         chosen: set[int] = set()  # of the named ids only
@@ -45,19 +44,10 @@ class Command(JobsCommand):
             after = batch[-1].pk
         if not after:  # none: a kind or lane nothing knows is a typo, not "no jobs"
             operations.check_filters(kind, lane)
-        # Named jobs the selection left out: not dead (reported by requeue_each as such),
-        # or dead but outside --kind/--lane, which must not be requeued all the same.
-        left_out = Job.objects.filter(pk__in=[i for i in ids if i not in chosen]).only(*FIELDS)
-        not_dead = [job for job in left_out if job.state != State.DEAD]
-        conflicts += operations.requeue_each(not_dead, dry_run=dry_run).conflicts
         wanted = " and ".join(
             f"{name} {value}" for name, value in (("--kind", kind), ("--lane", lane)) if value
         )
-        conflicts += [
-            {"id": job.pk, "reason": f"job {job.pk} is not of {wanted}: not requeued"}
-            for job in left_out
-            if job.state == State.DEAD
-        ]
+        conflicts += operations.left_out(ids, chosen, wanted)
         return requeued, conflicts
 
     def handle(self, *args: Any, **options: Any) -> None:
