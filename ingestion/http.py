@@ -589,7 +589,7 @@ def retry_after(response: Response) -> float | None:
     """The seconds a 429 or 503 asks us to wait (``Retry-After``: seconds, or an HTTP
     date), at most :data:`RETRY_AFTER_MAX`; None when absent, past, or not understood."""
     value = response.headers.get("retry-after", "").strip()
-    if value.isdigit():
+    if value.isascii() and value.isdigit():  # isdigit alone also takes other scripts' digits
         seconds = float(int(value[:12]))  # twelve digits are already past any cap
     else:
         try:

@@ -757,7 +757,7 @@ def _transaction_left_open() -> bool:
         return False
     if db.in_atomic_block or not db.autocommit:
         return True
-    if db.vendor == "postgresql":
+    if sql.is_postgres():
         from psycopg.pq import TransactionStatus
 
         # Not UNKNOWN: a connection broken under the handler is a database fault, not this.

@@ -169,14 +169,17 @@ def test_a_robots_txt_answering_later_is_transient_not_allow_all(site, source, s
 def test_retry_after_is_read_as_seconds_or_a_date_and_capped():
     def answer(value: str) -> float | None:
         return http.retry_after(
-            http.Response(429, "http://x/", httpx.Headers({"Retry-After": value}), b"", 0.0)
+            # As the wire gives it: bytes, read by httpx (UTF-8 where it is not ASCII).
+            http.Response(
+                429, "http://x/", httpx.Headers([(b"Retry-After", value.encode())]), b"", 0.0
+            )
         )
 
     assert answer("120") == 120
     assert answer("99999999999999999999") == 86400  # at most a day
     later = timezone.now() + timedelta(hours=1)
     assert 3500 < answer(later.strftime("%a, %d %b %Y %H:%M:%S GMT")) <= 3600
-    for ignored in ("", "0", "-5", "soon", "Mon, 01 Jan 2001 00:00:00 GMT", "1.5"):
+    for ignored in ("", "0", "-5", "soon", "Mon, 01 Jan 2001 00:00:00 GMT", "1.5", "\u0665"):
         assert answer(ignored) is None, ignored
 
 
