@@ -58,6 +58,9 @@ URL_LENGTH = 2000  # bytes of UTF-8: the longest URL a listing may give (a longe
 # page is committed in one transaction: a million-URL page would hold the database's write
 # lock (SQLite: every worker's) for minutes, so the URLs past it are not read.
 MAX_PAGE_URLS = 50_000
+# What a listed URL may not hold: C0 controls but tab, CR and LF (which urlsplit drops),
+# DEL, and lone surrogates (from a charref or a codec that let one through).
+UNSTORABLE = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f\ud800-\udfff]")
 
 
 class ListingError(HoldfastError, ValueError):
@@ -460,9 +463,15 @@ def absolute(base: str, url: str, malformed: list[str]) -> str:
     A URL that does not even parse (``http://[::1/x``: urllib raises ``ValueError``), or
     that names another scheme (``file:///etc/passwd``, ``ftp:``), is added to ``malformed``
     (counted and logged, so it does not vanish unseen) and skipped: one bad entry must not
-    stop the page, or the run.
+    stop the page, or the run. So is one holding a control character (NUL, ESC, DEL) or a
+    lone surrogate: no server serves such a URL, and PostgreSQL's text cannot store a NUL,
+    so one such line would fail the page's commit on every run. (Tab, CR and LF inside a
+    URL are dropped by ``urlsplit``, as browsers do, so a wrapped ``<loc>`` still reads.)
     """
     if not url:
+        return ""
+    if UNSTORABLE.search(url.strip()):
+        malformed.append(UNSTORABLE.sub("\ufffd", url.strip()[:URL_LENGTH]))
         return ""
     try:
         joined = urldefrag(urljoin(base, url.strip())).url

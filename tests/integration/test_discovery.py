@@ -13,7 +13,7 @@ import pytest
 from django.db import connection, transaction
 
 from demo.site import FixtureSite, w3c
-from ingestion import discovery
+from ingestion import discovery, listings
 from ingestion.discovery import ListingError, normalize_lastmod, parse_listing, start_discovery
 from ingestion.models import Artifact, DiscoveryPage, DiscoveryRun, ReconciliationIssue, Source
 from ingestion.sources import DISCOVER_KIND, add_source
@@ -420,6 +420,37 @@ def test_a_malformed_url_is_skipped_and_counted_not_fatal():
     )
     listing = parse_listing(index, f"{BASE}/sitemap.xml")
     assert (listing.pages, listing.malformed) == ([f"{BASE}/s2.xml"], ["http://[::1/s.xml"])
+
+
+@pytest.mark.parametrize("bad", ["https://example.org/a\x00b", "https://example.org/\x1b[31m",
+                                 "https://example.org/\x7f"])  # fmt: skip
+def test_a_listed_url_holding_a_control_character_is_malformed(bad):
+    """PostgreSQL's text cannot store a NUL: one such line failed the page's commit, and so
+    the page, on every run (audit). A control character or a lone surrogate is skipped."""
+    text = f"{bad}\nhttps://example.org/good\n"
+    listing = parse_listing(text.encode("utf-8", "surrogatepass"), f"{BASE}/urls.txt")
+    assert [item.url for item in listing.items] == [f"{BASE}/good"]
+    assert len(listing.malformed) == 1 and "\x00" not in listing.malformed[0]
+    robots = f"User-agent: *\nSitemap: {bad}\nSitemap: https://example.org/s.xml\n"
+    listing = parse_listing(robots.encode("utf-8", "surrogatepass"), f"{BASE}/robots.txt")
+    assert (listing.pages, len(listing.malformed)) == ([f"{BASE}/s.xml"], 1)
+    malformed: list[str] = []  # a lone surrogate, as a charref or a codec may give
+    assert listings.absolute(BASE, "https://example.org/\ud800", malformed) == ""
+    assert malformed == ["https://example.org/\ufffd"]
+
+
+def test_a_text_sitemap_with_a_nul_in_a_line_completes(site, hooks, run_worker):
+    body = site.url("/docs/1.html").encode() + b"\n" + site.url("/a\x00b").encode() + b"\n"
+    site.raw["/urls.txt"] = lambda handler: handler.wfile.write(
+        b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: %d\r\n\r\n"
+        % len(body)
+        + body
+    )
+    add_source("docs", "sitemap", site.url("/urls.txt"), spacing=0, allow_private=True)
+    run = discover(run_worker, "docs")
+    assert (run.state, run.pages, run.items) == ("completed", 1, 1)
+    assert Job.objects.get(kind=DISCOVER_KIND).result["malformed"] == 1
+    assert list(artifacts("docs")) == [site.url("/docs/1.html")]
 
 
 def test_a_run_whose_listing_has_a_malformed_url_completes(site, hooks, run_worker):
