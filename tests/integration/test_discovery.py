@@ -442,8 +442,7 @@ def test_a_listed_url_holding_a_control_character_is_malformed(bad):
 def test_a_text_sitemap_with_a_nul_in_a_line_completes(site, hooks, run_worker):
     body = site.url("/docs/1.html").encode() + b"\n" + site.url("/a\x00b").encode() + b"\n"
     site.raw["/urls.txt"] = lambda handler: handler.wfile.write(
-        b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: %d\r\n\r\n"
-        % len(body)
+        b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: %d\r\n\r\n" % len(body)
         + body
     )
     add_source("docs", "sitemap", site.url("/urls.txt"), spacing=0, allow_private=True)

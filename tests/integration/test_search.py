@@ -8,6 +8,7 @@ write goes through the engine's fenced, completing transaction.
 from __future__ import annotations
 
 import json
+import tracemalloc
 from collections.abc import Callable
 from datetime import timedelta
 
@@ -184,7 +185,7 @@ def test_a_listed_title_is_kept_and_the_hit_shows_the_documents_own(index):
         (
             b'<?xml version="1.0"?><!DOCTYPE x [<!ENTITY a "lamp lamp">]><x>&a;&a;</x>',
             "text/xml",
-            "EntitiesForbidden",
+            "declares or references an entity",
         ),
     ],
 )
@@ -558,3 +559,54 @@ def test_html_is_read_as_a_stream_and_its_tags_bounded():
 
     flood = b"<p>early</p>" + b"<b>" * (search.MAX_HTML_TAGS + search.HTML_CHUNK) + b"late"
     assert search.extract(flood, "text/html").text == "early"
+
+
+def test_xml_is_read_as_a_stream_in_document_order():
+    """No tree (a 2 MB document took 41 MB as one, audit): expat's text nodes in order, the
+    first title's (nested markup included) as the title, the rest not read past the cut."""
+    doc = (
+        b'<?xml version="1.0"?><a:feed xmlns:a="urn:x"><a:title>Tide <b>tables</b></a:title>'
+        b"<p>one &amp; two</p><title>later title</title>\n<p>three</p></a:feed>"
+    )
+    assert search.extract(doc, "application/atom+xml") == search.Extracted(
+        "Tide tables", "Tide tables one & two later title three"
+    )
+    body = b"<doc>" + b"<p>word</p>" * 200_000 + b"</doc>"  # 2.2 MB
+    tracemalloc.start()
+    try:
+        extracted = search.extract(body, "application/xml")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert len(extracted.text) == search.MAX_TEXT_CHARS
+    assert peak < 12 * 1024 * 1024, peak
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b'<?xml version="1.0"?><!DOCTYPE d [<!ENTITY x "expanded">]><d>&x;</d>',
+        b'<?xml version="1.0"?><!DOCTYPE d [<!ENTITY x SYSTEM "file:///etc/passwd">]><d>&x;</d>',
+        b"<d><unclosed></d>",
+    ],
+)
+def test_xml_with_entities_or_that_does_not_parse_is_not_indexable(body):
+    with pytest.raises(search.NotIndexable):
+        search.extract(body, "application/xml")
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_huge_title_or_a_lone_surrogate_is_indexed_not_fatal(index):
+    """An XML title was unbounded (a tsvector over PostgreSQL's 1 MB: the index job died),
+    and ``utf-7`` can decode to a lone surrogate no database stores (audit)."""
+    docs = make_source()
+    words = " ".join(f"w{n}" for n in range(200_000)).encode()
+    long = fetched(docs, "long.xml", b"<d><title>" + words + b"</title><p>tail</p></d>", "text/xml")
+    odd = fetched(docs, "odd.txt", b"lighthouse +2AA- keeper", "text/plain; charset=utf-7")
+    jobs = index(long, odd)
+    assert all(job.result["indexed"] for job in jobs)
+    long.refresh_from_db()
+    assert len(long.title) == search.MAX_TITLE_CHARS and long.title.startswith("w0 w1 ")
+    assert urls("w5") == [long.url]
+    assert ArtifactText.objects.get(artifact=odd).text == "lighthouse \ufffd keeper"
+    assert urls("lighthouse") == [odd.url]
