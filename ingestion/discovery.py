@@ -149,6 +149,7 @@ def discover(ctx: JobContext, source_name: str, run_id: int | None) -> dict[str,
     except SourceNotFound as exc:
         raise PermanentError(str(exc)) from None
     if not source.enabled:
+        _stop_runs(ctx, source)
         log.info("discovery_skipped", source=source_name, reason="source disabled")
         return {"skipped": "source disabled"}
     run = _run_for(ctx, source, run_id)
@@ -181,6 +182,26 @@ def discover(ctx: JobContext, source_name: str, run_id: int | None) -> dict[str,
             return result
         if ctx.cancel_requested:
             raise ctx.Cancelled()
+
+
+def _stop_runs(ctx: JobContext, source: Source) -> None:
+    """End the disabled source's run in progress, as failed, saying why.
+
+    Left ``running``, it would show as in progress for as long as the source stays
+    disabled, and be resumed from its stale cursor when it is enabled again.
+    """
+    error = "the source was disabled while the run was in progress"
+    with ctx.atomic():
+        stopped = list(
+            source.runs.select_for_update()
+            .filter(state=RunState.RUNNING)
+            .values_list("pk", flat=True)
+        )
+        DiscoveryRun.objects.filter(pk__in=stopped, state=RunState.RUNNING).update(
+            state=RunState.FAILED, error=error, finished_at=engine.db_now()
+        )
+    for run_id in stopped:
+        log.warning("discovery_run_failed", source=source.name, run_id=run_id, error=error)
 
 
 def _pending(run_id: int) -> QuerySet[DiscoveryPage]:

@@ -399,6 +399,14 @@ def test_a_disabled_source_stops_discovering_between_jobs(site, hooks, run_worke
     assert continuation.state == State.SUCCEEDED
     assert continuation.result == {"skipped": "source disabled"}
     assert site.requests == []
+    # The run ends, saying why: left running it showed as in progress for as long as the
+    # source stayed disabled, and resumed from its stale cursor once enabled again (audit).
+    run.refresh_from_db()
+    assert (run.state, run.error) == (
+        "failed",
+        "the source was disabled while the run was in progress",
+    )
+    assert run.finished_at is not None
 
 
 # --- malformed URLs, unexpected errors, loops ----------------------------------------------
