@@ -25,7 +25,7 @@ from jobs.options import cron_problem
 from jobs.schedules import Declared, schedule_provider
 from jobs.serialization import timestamp
 
-from . import egress
+from . import egress, listings
 from .models import DiscoveryRun, PageState, Source, SourceKind
 
 log = get_logger("ingestion.sources")
@@ -115,8 +115,15 @@ def _validate(
         URLValidator(schemes=["http", "https"])(url)
     except ValidationError:
         raise InvalidJob(f"not an http(s) URL: {url!r}") from None
-    if len(url) > URL_MAX_LENGTH:
-        raise InvalidJob(f"the URL must be at most {URL_MAX_LENGTH} characters")
+    if listings.UNSTORABLE.search(url):
+        # What a listing's URL may not hold either: no server serves it, and a NUL cannot
+        # be stored by PostgreSQL (the run's first page row).
+        raise InvalidJob(f"the URL holds a control character or invalid Unicode: {url!r}")
+    if len(url.encode("utf-8", "surrogatepass")) > URL_MAX_LENGTH:
+        # Bytes, as a listed URL's (listings.URL_LENGTH): the source URL is the run's first
+        # page, and PostgreSQL cannot index a page row much longer (2,000 CJK characters
+        # are 6,000 bytes), so every discovery of the source failed.
+        raise InvalidJob(f"the URL must be at most {URL_MAX_LENGTH} bytes of UTF-8")
     parts = urlsplit(url)
     if parts.username is not None or parts.password is not None:
         # They would be stored and shown in clear: list_sources, logs, page rows, issues.

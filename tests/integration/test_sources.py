@@ -77,6 +77,11 @@ def test_default_schedules_are_daily_stable_and_spread_over_the_day():
         (["docs", "--kind", "feed", "--url", URL, "--spacing", "3600.5"], "3600 seconds"),
         (["docs", "--kind", "feed", "--url", URL, "--spacing", "inf"], "spacing"),
         (["docs", "--kind", "feed", "--url", URL, "--max-pages-per-run", "0"], "pages"),
+        # 1,900 characters but 5,700 bytes: a page row PostgreSQL cannot index (audit).
+        (["docs", "--kind", "feed", "--url", f"{URL}?q={'語' * 1900}"], "2000 bytes"),
+        (["docs", "--kind", "feed", "--url", "https://example.org/a\x00b"], "control character"),
+        (["docs", "--kind", "feed", "--url", "https://example.org/\x1b[0m"], "control character"),
+        (["docs", "--kind", "feed", "--url", "https://example.org/\udcff"], "UTF-8"),
     ],
 )
 def test_bad_input_is_refused_with_a_reason(args, reason):
