@@ -61,6 +61,7 @@ def client_address(request: Any) -> str | None:
 
 
 def refused(request: Request, reason: str, prefix: str | None = None) -> None:
+    tokens.count_refusal(reason)
     log.warning(
         "api_auth_failed",
         reason=reason,
@@ -80,4 +81,6 @@ class TokenScope(permissions.BasePermission):
         principal: Any = request.user
         if not isinstance(principal, tokens.Principal):
             return False
+        if not hasattr(view, (request.method or "").lower()):
+            return True  # a method the endpoint does not take: a 405 for every token
         return request.method in permissions.SAFE_METHODS or principal.can_write

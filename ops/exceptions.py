@@ -28,6 +28,7 @@ from rest_framework.views import set_rollback
 from jobs.exceptions import HoldfastError, InvalidJob, StateConflict
 from jobs.log import get_logger
 
+from . import tokens
 from .authentication import client_address
 from .messages import not_found_message, one_line
 
@@ -62,7 +63,7 @@ def field_errors(detail: Any) -> dict[str, list[str]]:
     under ``body``."""
     if isinstance(detail, dict):
         return {
-            ("body" if key == "non_field_errors" else str(key)): messages_of(value)
+            ("body" if key == "non_field_errors" else one_line(str(key), 200)): messages_of(value)
             for key, value in detail.items()
         }
     return {"body": messages_of(detail)}
@@ -79,7 +80,7 @@ def messages_of(detail: Any) -> list[str]:
         ]
     if isinstance(detail, list):
         return [message for value in detail for message in messages_of(value)]
-    return [str(detail)]
+    return [one_line(str(detail))]
 
 
 def summary(fields: dict[str, list[str]]) -> str:
@@ -158,6 +159,7 @@ def exception_handler(exc: Exception, context: dict[str, Any]) -> Response | Non
     if isinstance(api_exc, DatabaseUnavailable):
         log.warning("api_database_unavailable", error=f"{type(exc).__name__}: {exc}", **where)
     elif isinstance(api_exc, exceptions.NotAuthenticated):
+        tokens.count_refusal("no token")
         log.info(
             "api_auth_failed",
             reason="no token",

@@ -7,8 +7,12 @@ from django.urls import Resolver404, resolve
 
 
 def one_line(text: str, limit: int = 1000) -> str:
-    """``text`` on one line (messages may quote the caller's input), at most ``limit`` long."""
-    text = " ".join(text.split())
+    """``text`` on one line (messages may quote the caller's input), at most ``limit`` long.
+
+    A lone surrogate the caller sent (JSON's ``"\\ud800"``, as a field name or a value)
+    is written as its escape: UTF-8 cannot encode it, and the response would be a 500.
+    """
+    text = " ".join(text.encode("utf-8", "backslashreplace").decode("utf-8").split())
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 

@@ -47,6 +47,8 @@ from jobs.models import (
 )
 from jobs.status import worker_liveness
 
+from .models import AuthRefusal
+
 #: Attempts whose duration the histogram records: those the handler itself ended.
 TIMED_OUTCOMES = (Outcome.SUCCEEDED, Outcome.FAILED, Outcome.CANCELLED)
 #: Every metric this module exports (the dashboard and alert tests check against it).
@@ -60,6 +62,7 @@ METRIC_NAMES = (
     "holdfast_spool_files",
     "holdfast_spool_oldest_age_seconds",
     "holdfast_reconciliation_issues",
+    "holdfast_api_auth_refusals_total",
 )
 
 
@@ -143,6 +146,7 @@ class HoldfastCollector(Collector):
             value=oldest_age,
         )
         yield self._issues()
+        yield self._refusals()
 
     def _jobs(self, now: Any) -> Iterator[Metric]:
         known = set(lane_config.lanes())
@@ -221,6 +225,17 @@ class HoldfastCollector(Collector):
         ):
             issues.add_metric([kind, status], n)
         return issues
+
+    def _refusals(self) -> Metric:
+        refusals = CounterMetricFamily(
+            "holdfast_api_auth_refusals",
+            "API requests refused for their token, by reason (malformed, unknown, wrong "
+            "secret, revoked, expired, not a bearer token, no token)",
+            labels=["reason"],
+        )
+        for reason, count in AuthRefusal.objects.values_list("reason", "count").order_by("reason"):
+            refusals.add_metric([reason], count)
+        return refusals
 
 
 def registry() -> CollectorRegistry:

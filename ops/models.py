@@ -33,3 +33,16 @@ class OpsToken(models.Model):
 
     def __str__(self) -> str:
         return f"token {self.name} ({self.scope}{', revoked' if self.revoked_at else ''})"
+
+
+class AuthRefusal(models.Model):
+    """How many requests the API refused for their token, by reason (``malformed``,
+    ``unknown``, ``wrong secret``, ``revoked``, ``expired``, ``not a bearer token``, ``no
+    token``): ``holdfast_api_auth_refusals_total``. In the database, as every counter of
+    the metrics, so any API process reports the same figures and they outlive restarts."""
+
+    reason = models.CharField(max_length=32, unique=True)
+    count = models.BigIntegerField(default=0)
+
+    def __str__(self) -> str:
+        return f"{self.count} refused: {self.reason}"

@@ -6,10 +6,7 @@ from typing import Any
 
 from drf_spectacular.extensions import OpenApiAuthenticationExtension
 from drf_spectacular.openapi import AutoSchema
-from drf_spectacular.renderers import OpenApiJsonRenderer, OpenApiJsonRenderer2
 from drf_spectacular.utils import OpenApiParameter, OpenApiResponse
-from drf_spectacular.views import SpectacularAPIView
-from rest_framework.permissions import AllowAny
 
 from .serializers import ErrorResponse
 
@@ -67,17 +64,6 @@ def id_parameter(name: str, what: str) -> OpenApiParameter:
         location=OpenApiParameter.PATH,
         description=f"the {what}'s id",
     )
-
-
-class SchemaView(SpectacularAPIView):
-    """The OpenAPI 3 schema of this API, as JSON, for anyone: it describes, it holds no data.
-
-    It reads no token, so a bad one is not refused here.
-    """
-
-    renderer_classes = [OpenApiJsonRenderer2, OpenApiJsonRenderer]
-    authentication_classes = []
-    permission_classes = [AllowAny]
 
 
 def closed_request_bodies(result: dict[str, Any], **kwargs: Any) -> dict[str, Any]:

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from django.db import IntegrityError, OperationalError, transaction
+from django.db import DatabaseError, IntegrityError, OperationalError, transaction
+from django.db.models import F
 from django.db.models.functions import Now
 from django.utils import timezone
 
@@ -25,7 +26,7 @@ from jobs.exceptions import HoldfastError, InvalidJob
 from jobs.log import get_logger
 from jobs.serialization import timestamp
 
-from .models import OpsToken, Scope
+from .models import AuthRefusal, OpsToken, Scope
 
 log = get_logger("ops.tokens")
 
@@ -149,6 +150,26 @@ def _touch(pk: int) -> None:
             OpsToken.objects.filter(pk=pk).update(last_used_at=Now())
     except OperationalError as exc:
         log.info("token_last_used_not_recorded", token_pk=pk, error=" ".join(str(exc).split()))
+
+
+def count_refusal(reason: str) -> None:
+    """Add one to the refused requests' counter of ``reason``, if the database can take
+    the write at once: as ``_touch``, a busy database must not hold up (or fail) the 401,
+    and the refusal is logged whether or not it is counted. Nor may a database that is down,
+    or a table not yet migrated (a new API process during an upgrade), turn the 401 into a
+    500: any database error skips the count and says so."""
+    counter = AuthRefusal.objects.filter(reason=reason)
+    try:
+        with sql.lock_waits_bounded(LAST_USED_LOCK_WAIT):
+            if counter.update(count=F("count") + 1):
+                return
+            try:
+                with transaction.atomic():  # a savepoint: another process may insert first
+                    AuthRefusal.objects.create(reason=reason, count=1)
+            except IntegrityError:
+                counter.update(count=F("count") + 1)
+    except DatabaseError as exc:
+        log.info("auth_refusal_not_counted", reason=reason, error=" ".join(str(exc).split()))
 
 
 def authenticate(token: str) -> Principal | None:

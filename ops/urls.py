@@ -3,7 +3,6 @@
 from django.urls import path
 
 from . import views
-from .schema import SchemaView
 
 app_name = "ops"
 
@@ -23,5 +22,5 @@ urlpatterns = [
     path("search/", views.SearchView.as_view(), name="search"),
     path("health/", views.HealthView.as_view(), name="health"),
     path("metrics/", views.MetricsView.as_view(), name="metrics"),
-    path("schema/", SchemaView.as_view(), name="schema"),
+    path("schema/", views.SchemaView.as_view(), name="schema"),
 ]

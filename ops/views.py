@@ -17,7 +17,9 @@ from django.conf import settings
 from django.db import connection, transaction
 from django.db.models import QuerySet
 from django.http import HttpResponse
+from drf_spectacular.renderers import OpenApiJsonRenderer, OpenApiJsonRenderer2
 from drf_spectacular.utils import OpenApiExample, OpenApiResponse, extend_schema
+from drf_spectacular.views import SpectacularAPIView
 from prometheus_client.exposition import choose_encoder
 from rest_framework import serializers
 from rest_framework.exceptions import NotAuthenticated, NotFound, ValidationError
@@ -75,7 +77,10 @@ class OpsView(APIView):
     query: dict[str, Any]
 
     def initial(self, request: Request, *args: Any, **kwargs: Any) -> None:
-        super().initial(request, *args, **kwargs)  # authentication and scope first
+        # The token before content negotiation (DRF's order is the other way round): a
+        # refused token must be logged whatever the Accept header, not answered 406 unseen.
+        self.perform_authentication(request)
+        super().initial(request, *args, **kwargs)  # scope next
         self.query = self.validated_query(request)
 
     def validated_query(self, request: Request) -> dict[str, Any]:
@@ -235,7 +240,7 @@ class RequeueDeadView(OpsView):
                 more, selected = len(selected) > limit, selected[:limit]
             else:
                 selected = list(dead)
-            if not selected and not chosen.get("after"):  # an unknown kind or lane: bad input
+            if not selected:  # an unknown kind or lane is bad input, also past `after`
                 check_filters(kind, lane)
         if ids:
             known = set(Job.objects.filter(pk__in=ids).values_list("pk", flat=True))
@@ -560,3 +565,19 @@ def spool_health() -> dict[str, Any]:
     if backlog["stale"]:  # the ingester stops on it: alert
         health.update(stale=True, grace_s=backlog["grace_s"])
     return health
+
+
+class SchemaView(OpsView, SpectacularAPIView):
+    """The OpenAPI 3 schema of this API, as JSON, for anyone: it describes, it holds no data.
+
+    It reads no token, so a bad one is not refused here. It takes no query parameter, as
+    ``OpsView`` checks: drf-spectacular would copy ``?version=`` into the schema and into
+    the ``Content-Disposition`` header (a newline there was a 500), and ``?lang=``.
+    """
+
+    renderer_classes = [OpenApiJsonRenderer2, OpenApiJsonRenderer]
+    authentication_classes = []
+    permission_classes = [AllowAny]
+
+    def _get_version_parameter(self, request: Request) -> None:
+        return None  # one version: the path's v1

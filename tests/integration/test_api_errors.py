@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 from django.conf import settings
 from django.test import Client
+from structlog.testing import capture_logs
 
 from jobs import enqueueing
 from ops import tokens, views
@@ -112,6 +113,7 @@ LOG_SCRIPT = """
 import django, sys
 django.setup()
 from django.test import Client
+from structlog.testing import capture_logs
 from ops import tokens, views
 from tests.conftest import REPO
 
@@ -175,6 +177,13 @@ def test_an_unknown_kind_or_lane_filter_is_refused_not_an_empty_page(read_token,
     body = {"data": json.dumps({"lane": "defualt"}), "content_type": "application/json"}
     data = assert_json_error(request("POST", API + "dead-jobs/requeue/", write_token, **body), 404)
     assert "defualt" in data["error"]
+    # Also past `after`, as a script's next batch asks: it was an empty 200 (audit).
+    body = {
+        "data": json.dumps({"kind": "test.ecoh", "after": 5}),
+        "content_type": "application/json",
+    }
+    data = assert_json_error(request("POST", API + "dead-jobs/requeue/", write_token, **body), 404)
+    assert "test.ecoh" in data["error"]
 
     for path in ("dead-jobs/?kind=test.echo", "dead-jobs/?lane=default&kind=test.echo"):
         response = request("GET", API + path, read_token)
@@ -201,3 +210,45 @@ def test_a_bad_query_value_is_named_as_what_it_is(read_token, query, field, says
     data = assert_json_error(request("GET", API + f"dead-jobs/?{query}", read_token), 400)
     assert data["code"] == "invalid"
     assert says in data["fields"][field][0], data
+
+
+# --- found by an audit of the API (each was a 500, a wrong status, or a refusal unseen) ----
+
+
+@pytest.mark.parametrize("path", ["dead-jobs/requeue/", "reconciliation-issues/1/resolve/"])
+def test_a_body_field_named_by_a_lone_surrogate_is_a_400(write_token, path):
+    """JSON's ``"\\ud800"`` as a key: named back in the error, UTF-8 could not encode it."""
+    body = b'{"comment": "ok", "\\ud800": 1}'
+    response = request("POST", API + path, write_token, data=body, content_type="application/json")
+    data = assert_json_error(response, 400, "invalid")
+    assert "\\ud800" in data["fields"]
+
+
+@pytest.mark.parametrize("query", ["version=%0A", "version=a%0D%0AX-Injected:%20yes", "lang=fr"])
+def test_the_schema_takes_no_query_parameter(query):
+    """drf-spectacular copied ``?version=`` into a header: a newline there was a 500."""
+    data = assert_json_error(request("GET", API + "schema/?" + query), 400, "invalid")
+    assert "unknown parameter" in data["error"]
+    response = request("GET", API + "schema/")
+    assert response.status_code == 200 and "X-Injected" not in response
+    assert response["Content-Disposition"] == 'inline; filename="Holdfast internal API.json"'
+
+
+@pytest.mark.parametrize("path", ["queue/", "health/", "dead-jobs/"])
+def test_a_refused_token_is_logged_whatever_the_accept_header(path):
+    """DRF negotiates the content type before it reads the token: ``Accept: text/html``
+    got a 406 and the refused token was never logged nor counted."""
+    with capture_logs() as logs:
+        response = request(
+            "GET", API + path, "hf_aaaaaaaa_" + "a" * 43, headers={"Accept": "text/html"}
+        )
+    assert_json_error(response, 401, "authentication_failed")
+    assert [e["reason"] for e in logs if e["event"] == "api_auth_failed"] == ["unknown"]
+
+
+@pytest.mark.parametrize("method", ["PUT", "PATCH", "DELETE"])
+def test_a_method_no_endpoint_takes_is_a_405_for_a_read_token_too(read_token, method):
+    response = request(method, API + "queue/", read_token)
+    assert_json_error(response, 405)
+    assert response["Allow"] == "GET, HEAD, OPTIONS"
+    assert_json_error(request("POST", API + "dead-jobs/requeue/", read_token), 403)

@@ -15,6 +15,7 @@ from django.db.models import Sum
 from django.test import Client
 from django.utils import timezone
 from prometheus_client.parser import text_string_to_metric_families
+from structlog.testing import capture_logs
 
 from jobs import engine, enqueueing, operations
 from jobs.models import Job, OutcomeCount, State, Worker
@@ -147,6 +148,36 @@ def test_metrics_need_a_token_and_answer_json_errors():
     assert response.status_code == 401
     assert response["Content-Type"] == "application/json"
     assert response.json()["code"] == "not_authenticated"
+
+
+def test_refused_tokens_are_counted_by_reason(read_token):
+    """Refused logins reach the metrics, not only the logs (audit): any API process
+    reports the same counts, from the database."""
+    _, revoked = tokens.create("gone", "read")
+    tokens.revoke("gone")
+    for header in ["Bearer nope", "Bearer nope", f"Bearer {revoked}", "Basic eDp5", None]:
+        headers = {"Authorization": header} if header else {}
+        assert Client().get("/internal/v1/queue/", headers=headers).status_code == 401
+    refused = scrape(read_token)["holdfast_api_auth_refusals_total"]
+    assert refused == {
+        (("reason", "malformed"),): 2,
+        (("reason", "revoked"),): 1,
+        (("reason", "not a bearer token"),): 1,
+        (("reason", "no token"),): 1,
+    }
+
+
+def test_a_refusal_the_database_cannot_count_is_still_a_401(monkeypatch):
+    """A new API process before ``migrate`` (no table yet), or a database refusing the
+    write: the count is skipped and said, the answer stays a 401."""
+    from ops.models import AuthRefusal
+
+    monkeypatch.setattr(AuthRefusal._meta, "db_table", "ops_no_such_table")
+    with capture_logs() as logs:
+        response = Client().get("/internal/v1/queue/", headers={"Authorization": "Bearer nope"})
+    assert response.status_code == 401
+    events = [entry["event"] for entry in logs]
+    assert "auth_refusal_not_counted" in events and "api_auth_failed" in events
 
 
 def test_counters_survive_pruning_and_a_fresh_collector(read_token):
