@@ -533,7 +533,10 @@ def _upsert(
     again (a permanent failure, or fetches that kept failing), and how many items this
     run sees here for the first time (for ``run.items``, without counting the whole run).
     """
-    listed = {item.url: item for item in items}  # a URL listed twice: the last one wins
+    listed: dict[str, Item] = {}
+    for item in items:  # a URL listed twice: the last one wins, the last with a lastmod
+        if item.lastmod or item.url not in listed:
+            listed[item.url] = item
     urls = list(listed)
     existing: dict[str, Artifact] = {}
     for chunk in _chunks(urls):
@@ -566,7 +569,10 @@ def _upsert(
             retry.append(artifact.pk)
         if artifact.last_seen_run_id != run.pk:
             first_seen += 1
-        artifact.lastmod = item.lastmod
+        # An item without a lastmod says nothing of it: keep the last one listed. Erased,
+        # the same date listed again later read as a change (a refetch for nothing), and
+        # a URL in two sitemaps, one without dates, was "changed" on every run.
+        artifact.lastmod = item.lastmod or artifact.lastmod
         artifact.title = item.title or artifact.title
         artifact.last_seen_run = run
         artifact.last_seen_at = now

@@ -606,3 +606,26 @@ def test_a_start_that_lost_the_race_does_not_report_a_new_job(site, hooks, trans
         f"discovery of 'docs' is already queued (job {job.pk}); nothing enqueued",
     )
     assert Job.objects.filter(kind=DISCOVER_KIND).count() == 1
+
+
+def _urlset(*entries: tuple[str, str]) -> bytes:
+    body = "".join(
+        f"<url><loc>{url}</loc>" + (f"<lastmod>{lastmod}</lastmod>" if lastmod else "") + "</url>"
+        for url, lastmod in entries
+    )
+    return f'<urlset xmlns="http://www.sitemaps.org/schemas/sitemap/0.9">{body}</urlset>'.encode()
+
+
+def test_an_item_listed_without_a_lastmod_keeps_the_one_stored(site, hooks, run_worker):
+    """Erased, the same date listed again later read as a change, and a URL in two
+    sitemaps (one without dates) was "changed", so refetched, on every run (audit)."""
+    url = site.url("/docs/1.html")
+    add_source("docs", "sitemap", site.url("/s.xml"), spacing=0, allow_private=True)
+    for lastmod in ("2026-01-01", "", "2026-01-01"):
+        site.replies["/s.xml"] = (200, "application/xml", _urlset((url, lastmod)))
+        assert discover(run_worker, "docs").state == "completed"
+        assert Artifact.objects.get(url=url).lastmod == "2026-01-01"
+    site.replies["/s.xml"] = (200, "application/xml", _urlset((url, "2026-01-01"), (url, "")))
+    assert discover(run_worker, "docs").state == "completed"
+    assert Artifact.objects.get(url=url).lastmod == "2026-01-01"
+    assert not [changed for _, _, changed in hooks.discovered if changed]
