@@ -36,6 +36,16 @@ class ReconciliationIssue(models.Model):
 
     class Meta:
         indexes = [models.Index(fields=["status", "kind", "source"], name="issue_filter_idx")]
+        constraints = [
+            # One open issue per condition (``record_unless_open``), also when two
+            # processes record it at once. Not for quarantined submissions: the same file
+            # name quarantined again (new bytes, or put back) is a new issue by design.
+            models.UniqueConstraint(
+                fields=["kind", "source", "subject"],
+                condition=models.Q(status="open") & ~models.Q(kind="quarantined_submission"),
+                name="issue_open_once",
+            )
+        ]
 
     def __str__(self) -> str:
         return f"{self.kind} issue {self.pk} ({self.status}): {self.subject}"

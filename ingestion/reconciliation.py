@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from django.db import transaction
+from django.db import IntegrityError, transaction
 from django.db.models import QuerySet
 from django.db.models.functions import Now
 
@@ -54,13 +54,20 @@ def record_unless_open(
 
     A condition that persists (an item missing from every daily run, a page that stays
     404) is one issue, not one a day. Returns the new issue, or None when one was open.
+    Two processes recording it at once open one: the partial unique index
+    ``issue_open_once`` refuses the second insert (in a savepoint, so the caller's
+    transaction goes on).
     """
     already = ReconciliationIssue.objects.filter(
         kind=kind, source=source, subject=subject, status=IssueStatus.OPEN
     )
     if already.exists():
         return None
-    return record(kind, subject, source, details)
+    try:
+        with transaction.atomic():
+            return record(kind, subject, source, details)
+    except IntegrityError:
+        return None
 
 
 def resolve_cleared(
