@@ -74,6 +74,10 @@ BATCH = 500  # rows per query when upserting a page's items
 MALFORMED_LOGGED = 10  # a page's malformed URLs named in its log event; all are counted
 SCHEDULED_KEY_PREFIX = "schedule:"  # the unique keys of the jobs jobs.scheduler enqueues
 PAGE_TRIES = 3  # transient failures of one listing page before the run gives up on it
+# Reads of one page that ended with no outcome at all (the worker was killed: out of memory,
+# a crash in C code, a lease lost for good) before the run gives up on it: without a limit
+# every job, and every later run, would die on it, and no page behind it would be read.
+PAGE_CRASHES = 2
 PAGE_RETRY_DELAY = timedelta(seconds=30)  # doubled per try of the page at the cursor's head
 RETRY_STATUSES = frozenset({408, 429})
 
@@ -226,7 +230,15 @@ def _read_page(
     Whether this page ends the job is worked out before the transaction, so that the
     page, the continuation or completion and the job's completion commit together.
     """
-    outcome = _read(source, page.url)
+    crashed = _started(ctx, source, page)
+    if crashed >= PAGE_CRASHES:
+        outcome: Listing | _Failure = _Failure(
+            f"reading the page ended {crashed} times with no outcome (its worker died or was"
+            " killed each time); the run goes on without it",
+            transient=False,
+        )
+    else:
+        outcome = _read(source, page.url)
     result["pages"] += 1
     requeued = isinstance(outcome, _Failure) and outcome.transient and page.tries + 1 < PAGE_TRIES
     new_pages = [] if isinstance(outcome, _Failure) else _unknown_pages(run_id, outcome.pages)
@@ -261,6 +273,30 @@ def _read_page(
             _continue(source, run, None)
         run.save()
     return done
+
+
+def _started(ctx: JobContext, source: Source, page: DiscoveryPage) -> int:
+    """Record, in its own commit, that this job begins reading ``page``; how many earlier
+    reads of it ended with no outcome (neither read nor failed: the process died).
+
+    Each outcome of a read is a commit: the page read or failed, or a transient failure
+    (``tries`` + 1, ``starts`` carried over). So ``starts - tries`` counts the reads that
+    never got that far.
+    """
+    with ctx.atomic():
+        pending = DiscoveryPage.objects.filter(pk=page.pk, state=PageState.PENDING)
+        if not pending.update(starts=F("starts") + 1):
+            raise _Superseded
+    crashed = max(0, page.starts - page.tries)  # (rows from before ``starts``: 0)
+    if crashed:
+        log.warning(
+            "discovery_page_crashed_before",
+            source=source.name,
+            run_id=page.run_id,
+            page=page.url,
+            reads_without_outcome=crashed,
+        )
+    return crashed
 
 
 @contextmanager
@@ -449,7 +485,11 @@ def _page_failed(
     if requeued:  # to the back of the cursor: a new row, so that ``id`` order puts it last
         row.delete()
         DiscoveryPage.objects.create(
-            run=run, url=row.url, tries=row.tries + 1, error=failure.error[:10_000]
+            run=run,
+            url=row.url,
+            tries=row.tries + 1,
+            starts=row.starts,
+            error=failure.error[:10_000],
         )
         log.info(
             "discovery_page_retry",

@@ -204,6 +204,9 @@ class DiscoveryPage(models.Model):
     url = models.TextField()
     state = models.CharField(max_length=10, choices=PageState.choices, default=PageState.PENDING)
     tries = models.PositiveSmallIntegerField(default=0, help_text="transient failures so far")
+    starts = models.PositiveIntegerField(
+        default=0, db_default=0, help_text="times a job began reading it (committed first)"
+    )
     error = models.TextField(blank=True, default="")
 
     class Meta:

@@ -12,9 +12,11 @@ from pathlib import Path
 import pytest
 
 from demo.site import FixtureSite, w3c
+from ingestion import discovery
 from ingestion.discovery import normalize_lastmod, start_discovery
-from ingestion.models import Artifact, DiscoveryRun, Source
+from ingestion.models import Artifact, DiscoveryRun, ReconciliationIssue, Source
 from ingestion.sources import add_source
+from jobs import engine
 from jobs.models import Job, Lease, Outcome, State
 from tests.process.helpers import job_summary
 from tests.support.workers import WorkerPool, wait_until
@@ -114,3 +116,68 @@ def test_sigkill_mid_discovery_resumes_from_the_committed_cursor(
     assert interrupted.result["pages"] == 2  # sitemaps 3 and 4, then a continuation
     discovery_jobs = Job.objects.filter(kind="ingestion.discover_source")
     assert set(discovery_jobs.values_list("state", flat=True)) == {State.SUCCEEDED}
+
+
+# A worker whose reading of one page kills it, every time (an out-of-memory kill, a crash in
+# C code): the page is fetched, then the process ends at once with no outcome recorded.
+POISON = """
+import os
+from ingestion import http
+real = http.get
+def get(source, url, *args, **kwargs):
+    response = real(source, url, *args, **kwargs)
+    if url.endswith("/sitemaps/2.xml"):
+        os._exit(137)
+    return response
+http.get = get
+from django.core.management import call_command
+call_command("runworker", "--worker-id", %r, "--lanes", "discovery")
+"""
+
+
+def test_a_page_that_kills_its_worker_every_time_is_given_up_the_run_goes_on(
+    workers: WorkerPool, settings
+) -> None:
+    """It wedged the run: each attempt (and each later run) died on the page at the
+    cursor's head, the job ended dead, the run stayed ``running`` and no page behind it
+    was ever read (audit). Now after ``PAGE_CRASHES`` reads with no outcome it is failed
+    with an issue, as a page that cannot be read, and the run completes without it."""
+    settings.HOLDFAST_LANES = LANES
+    settings.HOLDFAST_LEASE_SECONDS = LEASE_SECONDS
+    env = {"HOLDFAST_TEST_LANES": json.dumps(LANES), "HOLDFAST_LEASE_SECONDS": str(LEASE_SECONDS)}
+    with FixtureSite(per_sitemap=2) as site:
+        for n in range(1, 7):
+            site.add(f"/docs/{n}.html", f"Document {n}", f"text {n}")
+        add_source("docs", "sitemap", site.url("/sitemap.xml"), spacing=0, allow_private=True)
+        job, _ = start_discovery(Source.objects.get(name="docs"))
+        assert job is not None
+        started = 0
+        current = None
+
+        def settled() -> bool:
+            nonlocal started, current
+            job.refresh_from_db()
+            if job.state != State.QUEUED and job.state != State.RUNNING:
+                return True
+            Job.objects.filter(pk=job.pk, state=State.QUEUED).update(run_at=engine.db_now())
+            if current is None or not current.alive:  # restarted, as systemd would
+                started += 1
+                current = workers.spawn_python(f"p{started}", POISON % f"p{started}", env=env)
+            return False
+
+        wait_until(
+            settled, 90, interval=0.2, message=lambda: f"{job_summary()}\n{workers.describe()}"
+        )
+        if current is not None and current.alive:
+            current.stop()
+        run = DiscoveryRun.objects.get(source__name="docs")
+        requests = Counter(request.path for request in site.requests)
+
+    assert job.state == State.SUCCEEDED, job_summary()
+    assert (run.state, run.failed_pages) == ("completed", 1)
+    assert requests["/sitemaps/2.xml"] == discovery.PAGE_CRASHES
+    assert requests["/sitemaps/3.xml"] == 1  # the page behind it is read
+    assert Artifact.objects.filter(source__name="docs").count() == 4  # all but page 2's
+    issue = ReconciliationIssue.objects.get(kind="listing_failed")
+    assert issue.subject == site.url("/sitemaps/2.xml")
+    assert "with no outcome" in issue.details["error"]
