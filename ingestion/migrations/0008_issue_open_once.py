@@ -1,11 +1,13 @@
 """One open issue per condition: a partial unique index over open issues (but quarantined
 submissions). Open duplicates an earlier race left are resolved first, the oldest kept."""
 
+from typing import Any
+
 from django.db import migrations, models
 from django.db.models import Count, Min
 
 
-def resolve_duplicates(apps, schema_editor):
+def resolve_duplicates(apps: Any, schema_editor: Any) -> None:
     issue = apps.get_model("ingestion", "ReconciliationIssue")
     open_issues = issue.objects.filter(status="open").exclude(kind="quarantined_submission")
     groups = (
