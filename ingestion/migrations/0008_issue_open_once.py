@@ -5,6 +5,7 @@ from typing import Any
 
 from django.db import migrations, models
 from django.db.models import Count, Min
+from django.db.models.functions import Now
 
 
 def resolve_duplicates(apps: Any, schema_editor: Any) -> None:
@@ -21,7 +22,7 @@ def resolve_duplicates(apps: Any, schema_editor: Any) -> None:
             kind=group["kind"], source=group["source"], subject=group["subject"]
         ).exclude(pk=group["first"]).update(
             status="resolved",
-            resolved_at=models.functions.Now(),
+            resolved_at=Now(),
             resolved_by="holdfast",
             comment=f"a duplicate of issue {group['first']}, still open",
         )
