@@ -38,7 +38,7 @@ from django.db.models.functions import Cast, Concat, Now
 from jobs import PermanentError, enqueue, enqueue_many
 from jobs.context import JobContext
 from jobs.engine import db_now
-from jobs.exceptions import HoldfastError, InvalidJob
+from jobs.exceptions import HoldfastError, InvalidJob, LaneFull
 from jobs.log import get_logger
 from jobs.models import ACTIVE_STATES, Job
 from jobs.refresh import refresher
@@ -465,9 +465,17 @@ def fetch_jobs(ids: list[int]) -> list[Job]:
     write lock: one enqueue per item would hold it for seconds on a page of thousands.
     The unique key ``fetch:<id>`` keeps one fetch per artifact: an artifact already being
     fetched (or enqueued meanwhile by a racing enqueuer) keeps its existing job.
+
+    A full lane gives none, whether its ``on_full`` drops or refuses (``LaneFull``, caught
+    in a savepoint): the caller's transaction (a discovery page's, a run's last) goes on,
+    and the caller decides when the fetches are tried again.
     """
     args = [{"artifact_id": pk} for pk in ids]
-    return enqueue_many(FETCH_KIND, args, unique_keys=[fetch_key(pk) for pk in ids])
+    try:
+        with transaction.atomic():
+            return enqueue_many(FETCH_KIND, args, unique_keys=[fetch_key(pk) for pk in ids])
+    except LaneFull:
+        return []
 
 
 @refresher("artifacts", batch=REFRESH_BATCH)
@@ -521,8 +529,20 @@ def fetch_discovered(
     Runs inside the discovery page's transaction, so the jobs exist iff the page commits.
     A changed ``lastmod`` also clears ``content_changed_unannounced``: the source now
     announces what it changed.
+
+    A full fetch lane (``drop`` or ``reject``) must cost neither the page nor the fetches:
+    the page commits, and the artifacts are due at once (``refresh_after``), so the
+    refresher enqueues their fetches when the lane has room. Dropped, they were never
+    fetched (a later run lists them as neither new nor changed); refused, the page's
+    whole transaction rolled back and it was read again.
     """
-    fetch_jobs([*new_ids, *changed_ids, *retry_ids])
+    ids = [*new_ids, *changed_ids, *retry_ids]
+    if ids and not fetch_jobs(ids):
+        for start in range(0, len(ids), IDS_PER_QUERY):
+            Artifact.objects.filter(pk__in=ids[start : start + IDS_PER_QUERY]).update(
+                refresh_after=Now()
+            )
+        log.warning("artifact_fetches_deferred", source=source.name, count=len(ids))
     for start in range(0, len(changed_ids), IDS_PER_QUERY):
         urls = Artifact.objects.filter(pk__in=changed_ids[start : start + IDS_PER_QUERY])
         resolve_cleared(

@@ -548,17 +548,21 @@ def _finish(source: Source, run: DiscoveryRun, result: dict[str, Any]) -> None:
 
 def _continue(source: Source, run: DiscoveryRun, delay: timedelta | None) -> None:
     key = f"discover:{source.name}:run{run.pk}:job{run.jobs}"
+    # A continuation: a full discovery lane neither refuses it (the page's commit would
+    # roll back, and the page be fetched again) nor drops it (the run would wait for the
+    # next scheduled slot, a day, with no job to carry it on).
     job = enqueueing.enqueue(
-        DISCOVER_KIND, {"source": source.name, "run": run.pk}, unique_key=key, delay=delay
+        DISCOVER_KIND,
+        {"source": source.name, "run": run.pk},
+        unique_key=key,
+        delay=delay,
+        continuation=True,
     )
-    if job is None:  # a lane that drops when full; the next scheduled discovery resumes it
-        log.warning("discovery_continuation_dropped", source=source.name, run_id=run.pk)
-        return
     log.info(
         "discovery_continued",
         source=source.name,
         run_id=run.pk,
-        next_job_id=job.pk,
+        next_job_id=None if job is None else job.pk,  # (None only from a full lane's drop)
         delay=None if delay is None else delay.total_seconds(),
     )
 

@@ -87,12 +87,20 @@ def enqueue(
     unique_key: str | None = None,
     max_attempts: int | None = None,
     lease_seconds: float | None = None,
+    continuation: bool = False,
 ) -> Job | None:
     """Enqueue one job inside the caller's transaction: it exists iff the caller commits.
 
     With a ``unique_key`` (or a handler declared ``unique=True``), an existing queued or
     running job with that key is returned instead of a new one. Returns None only when the
     lane is full and its ``on_full`` policy is ``drop``.
+
+    ``continuation=True`` is for a handler that hands the rest of its own work to a next
+    job, enqueued in the transaction that completes the current one: the lane's
+    ``max_queued`` does not refuse it. That work was admitted when its first job was; a
+    full lane refusing the hand-over would roll the finished part back (``reject``) or
+    leave the rest with no job to do it (``drop``). One job ends as the next is queued,
+    so the lane holds no more jobs for it.
     """
     jobs = enqueue_many(
         kind,
@@ -104,6 +112,7 @@ def enqueue(
         unique_key=unique_key,
         max_attempts=max_attempts,
         lease_seconds=lease_seconds,
+        continuation=continuation,
     )
     return jobs[0] if jobs else None
 
@@ -120,6 +129,7 @@ def enqueue_many(
     unique_keys: Sequence[str] | None = None,
     max_attempts: int | None = None,
     lease_seconds: float | None = None,
+    continuation: bool = False,
 ) -> list[Job]:
     """Enqueue one job per args dict with the same options; returns the jobs in order.
 
@@ -144,7 +154,7 @@ def enqueue_many(
     lease = _validated_lease_seconds(lease_seconds, spec)
     _validated_priority(priority)
     when = _run_at_expression(delay, run_at)
-    if chosen.max_queued is not None:
+    if chosen.max_queued is not None and not continuation:
         queued = Job.objects.filter(lane=chosen.name, state=State.QUEUED).count()
         if queued + len(args_list) > chosen.max_queued:
             message = f"lane {chosen.name!r} is full ({queued} of {chosen.max_queued} queued)"

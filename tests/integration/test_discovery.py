@@ -5,19 +5,25 @@ from __future__ import annotations
 
 import gzip
 import threading
+from collections import Counter
 from collections.abc import Iterator
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from datetime import timedelta
 
 import pytest
 from django.db import connection, transaction
+from structlog.testing import capture_logs
 
 from demo.site import FixtureSite, w3c
+from ingestion import artifacts as artifacts_module
 from ingestion import discovery, listings
+from ingestion.artifacts import FETCH_KIND
 from ingestion.discovery import ListingError, normalize_lastmod, parse_listing, start_discovery
 from ingestion.models import Artifact, DiscoveryPage, DiscoveryRun, ReconciliationIssue, Source
 from ingestion.sources import DISCOVER_KIND, add_source
 from jobs import engine, enqueueing, scheduler
+from jobs.exceptions import LaneFull
 from jobs.models import Job, State
 from jobs.registry import autodiscover
 
@@ -629,3 +635,67 @@ def test_an_item_listed_without_a_lastmod_keeps_the_one_stored(site, hooks, run_
     assert discover(run_worker, "docs").state == "completed"
     assert Artifact.objects.get(url=url).lastmod == "2026-01-01"
     assert not [changed for _, _, changed in hooks.discovered if changed]
+
+
+# --- a full lane: the run and its fetches go on (audit) ------------------------------------
+
+
+def _lanes(max_queued: int | None = None, on_full: str = "drop", fetch: dict | None = None):
+    discovery_lane: dict = {"kinds": [DISCOVER_KIND]}
+    if max_queued is not None:
+        discovery_lane.update(max_queued=max_queued, on_full=on_full)
+    return {"default": {}, "disc": discovery_lane, "fetch": fetch or {"kinds": [FETCH_KIND]}}
+
+
+def _listing_requests(site: FixtureSite) -> Counter:
+    return Counter(r.path for r in site.requests if r.path.startswith("/sitemap"))
+
+
+@pytest.mark.parametrize("on_full", ["drop", "reject"])
+def test_a_full_discovery_lane_does_not_stop_a_runs_continuation(
+    site, settings, run_worker, on_full
+):
+    """Dropped, the continuation left the run with no job until the next scheduled slot (a
+    day); refused (LaneFull), it rolled the page back, the retry fetched it again, and the
+    job died. A continuation carries on admitted work: max_queued does not refuse it."""
+    autodiscover()
+    settings.HOLDFAST_LANES = _lanes()
+    add_source("docs", "sitemap", site.url("/sitemap.xml"), spacing=0, max_pages_per_run=1,
+               allow_private=True)  # fmt: skip
+    job, _ = start_discovery(Source.objects.get(name="docs"))
+    filler = enqueueing.enqueue(DISCOVER_KIND, {"source": "docs"}, delay=3600, unique_key="x")
+    settings.HOLDFAST_LANES = _lanes(max_queued=1, on_full=on_full)  # full: the filler
+    run_worker(lanes=["disc"])
+    job.refresh_from_db()
+    run = DiscoveryRun.objects.get()
+    assert (job.state, run.state, run.pages, run.items) == (State.SUCCEEDED, "completed", 4, 7)
+    assert set(_listing_requests(site).values()) == {1}  # no page read twice
+    assert Job.objects.filter(kind=DISCOVER_KIND, state=State.SUCCEEDED).count() == 4
+    with pytest.raises(LaneFull) if on_full == "reject" else nullcontext():
+        assert enqueueing.enqueue(DISCOVER_KIND, {"source": "other"}) is None  # new work is
+    filler.refresh_from_db()
+    assert filler.state == State.QUEUED
+
+
+@pytest.mark.parametrize("on_full", ["drop", "reject"])
+def test_fetches_a_full_lane_refuses_are_due_for_the_refresher(site, settings, run_worker, on_full):
+    """Dropped, a page's fetches were never enqueued again (a later run lists the items as
+    neither new nor changed, and the refresher skipped them); refused, the page rolled
+    back. Now the page commits and its artifacts are due at once for the refresher."""
+    autodiscover()
+    settings.HOLDFAST_LANES = _lanes()
+    add_source("docs", "sitemap", site.url("/sitemap.xml"), spacing=0, allow_private=True)
+    filler = enqueueing.enqueue(FETCH_KIND, {"artifact_id": 10**9}, delay=3600, unique_key="f")
+    settings.HOLDFAST_LANES = _lanes(
+        fetch={"kinds": [FETCH_KIND], "max_queued": 1, "on_full": on_full}
+    )
+    with capture_logs() as logs:
+        run = discover(run_worker, "docs")
+    assert (run.state, run.items) == ("completed", 7)
+    assert Job.objects.filter(kind=FETCH_KIND).count() == 1  # the filler alone
+    deferred = [e["count"] for e in logs if e["event"] == "artifact_fetches_deferred"]
+    assert sum(deferred) == 7
+    Job.objects.filter(pk=filler.pk).delete()  # the lane has room again
+    settings.HOLDFAST_LANES = _lanes()
+    assert artifacts_module.refresh_due(100) == 7
+    assert Job.objects.filter(kind=FETCH_KIND).count() == 7

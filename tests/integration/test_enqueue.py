@@ -129,3 +129,17 @@ def test_bad_unique_keys_are_refused(options, message):
     with pytest.raises(InvalidJob, match=message):
         enqueue_many("test.echo", [{}, {}], **options)
     assert not Job.objects.exists()
+
+
+@override_settings(HOLDFAST_LANES=LANES)
+def test_a_continuation_is_not_refused_by_a_full_lane():
+    """The rest of admitted work (the enqueuing job completes in the same transaction):
+    neither ``reject`` nor ``drop`` applies to it; new work is still bounded."""
+    enqueue("test.echo")
+    enqueue("test.echo")
+    with pytest.raises(LaneFull):
+        enqueue("test.echo")
+    assert enqueue("test.echo", continuation=True).lane == "media"
+    enqueue("test.noop")
+    assert enqueue("test.noop") is None
+    assert enqueue("test.noop", continuation=True).lane == "bulk"
