@@ -293,7 +293,7 @@ def write(artifact_id: int, digest: str, extracted: Extracted) -> None:
         artifact_id=artifact_id,
         defaults={"title": extracted.title, "text": extracted.text, "sha256": digest},
     )
-    search_sql.write_document(artifact_id)
+    search_sql.write_document(artifact_id, extracted.title, extracted.text)
     Artifact.objects.filter(pk=artifact_id).update(indexed_sha256=digest)
     if extracted.title:
         Artifact.objects.filter(pk=artifact_id, title="").update(title=extracted.title)

@@ -2,8 +2,9 @@
 
 write_document
     PostgreSQL only: set ``artifact_texts.document`` from the row's title (weight A) and
-    text (weight B) with the configured text-search configuration. On SQLite the FTS5
-    table follows ``artifact_texts`` through triggers, so there is nothing to do.
+    text (weight B), as :func:`searchable` gives them, with the configured text-search
+    configuration. On SQLite the FTS5 table follows ``artifact_texts`` through triggers,
+    so there is nothing to do.
 
 matches
     The best ``limit`` artifacts for a query, best first, as ``Match(artifact_id, rank,
@@ -24,6 +25,7 @@ strings (so FTS5's own operators and column filters in the text mean nothing).
 
 from __future__ import annotations
 
+import functools
 import re
 import unicodedata
 from dataclasses import dataclass
@@ -40,10 +42,13 @@ FTS_TABLE = "artifact_search"
 MARK_START, MARK_END, ELLIPSIS = "[", "]", "…"
 TITLE_WEIGHT = 4.0  # SQLite bm25 column weight of the title (the text weighs 1)
 
+# The title and text as :func:`searchable` gives them, not the columns: PostgreSQL's parser
+# would keep ``docs.example.com``, ``ops@example.org``, ``3.14`` and paths as one token
+# each, and keep ``café`` apart from ``cafe``, where FTS5 finds each word of them.
 POSTGRES_WRITE = (
     f"UPDATE {TEXTS} SET document = "
-    "setweight(to_tsvector(%s::regconfig, title), 'A') || "
-    "setweight(to_tsvector(%s::regconfig, text), 'B') "
+    "setweight(to_tsvector(%s::regconfig, %s), 'A') || "
+    "setweight(to_tsvector(%s::regconfig, %s), 'B') "
     "WHERE artifact_id = %s"
 )
 
@@ -83,6 +88,24 @@ QUERY_PART = re.compile(r'(-?)(?:"([^"]*)"?|([^\s"]+))')
 # also takes "_" and "²", which SQLite's unicode61 tokenizer or PostgreSQL's parser drop: a
 # query word made of them was an empty phrase on one database and nothing on the other.
 WORD_CATEGORIES = frozenset({"Lu", "Ll", "Lt", "Lm", "Lo", "Mn", "Mc", "Nd"})
+ASCII_SEPARATORS = re.compile(r"[^A-Za-z0-9]+")  # WORD_CATEGORIES' complement, in ASCII
+# The combining marks FTS5's remove_diacritics drops (read off SQLite 3.40: "a" + mark +
+# "b" is one token "ab"); the block's other marks split words there (OTHER_MARKS).
+FTS5_DIACRITICS = frozenset(
+    chr(code)
+    for span in (
+        (0x300, 0x304),
+        (0x306, 0x30C),
+        (0x30F, 0x30F),
+        (0x311, 0x311),
+        (0x31B, 0x31B),
+        (0x323, 0x328),
+        (0x32D, 0x32E),
+        (0x330, 0x331),
+    )
+    for code in range(span[0], span[1] + 1)
+)
+OTHER_MARKS = frozenset(chr(code) for code in range(0x300, 0x370)) - FTS5_DIACRITICS
 # PostgreSQL's english.stop (Snowball): the words the english configuration ignores.
 _STOP_TEXT = """i me my myself we our ours ourselves you your yours yourself yourselves he him his
     himself she her hers herself it its itself they them their theirs themselves what which
@@ -112,13 +135,16 @@ class Match:
     snippet: str
 
 
-def write_document(artifact_id: int) -> None:
-    """Bring the vendor index up to date with the ``artifact_texts`` row just written."""
+def write_document(artifact_id: int, title: str, text: str) -> None:
+    """Bring the vendor index up to date with the ``artifact_texts`` row just written
+    (``title`` and ``text`` are that row's)."""
     if connection.vendor != "postgresql":
         return  # the FTS5 triggers have done it
     config = settings.HOLDFAST_SEARCH_CONFIG
     with connection.cursor() as cursor:
-        cursor.execute(POSTGRES_WRITE, [config, config, artifact_id])
+        cursor.execute(
+            POSTGRES_WRITE, [config, searchable(title), config, searchable(text), artifact_id]
+        )
 
 
 def matches(query: str, source_id: int | None, limit: int) -> list[Match]:
@@ -167,8 +193,33 @@ def parse_query(text: str) -> Query:
 
 def words_of(text: str) -> list[str]:
     """The words of a query part, as both databases' tokenizers read a document's."""
-    kept = "".join(ch if unicodedata.category(ch) in WORD_CATEGORIES else " " for ch in text)
-    return kept.split()
+    return searchable(text).split()
+
+
+def searchable(text: str) -> str:
+    """``text`` as FTS5's ``unicode61 remove_diacritics 2`` tokenizer reads it: words
+    (letters, marks, digits) between spaces, Latin letters without their diacritics
+    (``Café`` is ``Cafe``; Greek ``ά`` and Cyrillic ``й`` keep theirs, as FTS5 does).
+
+    PostgreSQL indexes and queries this text, so both databases find the same words:
+    its parser alone keeps hosts, e-mail addresses, numbers with dots and paths whole
+    (``example`` did not find ``docs.example.com``) and ``café`` apart from ``cafe``.
+    """
+    if text.isascii():
+        return ASCII_SEPARATORS.sub(" ", text)
+    return "".join(map(_folded, text))
+
+
+@functools.cache
+def _folded(ch: str) -> str:
+    """One character as :func:`searchable` gives it (a text has few distinct ones)."""
+    if ch in FTS5_DIACRITICS:
+        return ""  # a combining diacritic: FTS5 drops it, whatever letter it follows
+    decomposed = unicodedata.normalize("NFD", ch)
+    base, marks = decomposed[0], decomposed[1:]
+    if marks and base.isascii() and all(mark in FTS5_DIACRITICS for mark in marks):
+        return base  # é, ừ, ǹ: an ASCII letter with diacritics FTS5 removes
+    return ch if unicodedata.category(ch) in WORD_CATEGORIES and ch not in OTHER_MARKS else " "
 
 
 def significant(words: list[str]) -> tuple[str, ...]:
