@@ -66,6 +66,7 @@ REFRESH_MAX_BATCH = 20_000  # the most: 66/s at the default 300 s, far above 5M 
 FAILURE_BACKOFF_BASE = timedelta(hours=1)
 FAILURE_BACKOFF_MAX = timedelta(days=1)
 REFRESH_RETRY = timedelta(days=1)  # when a refresh the refresher enqueued is due again
+INDEX_RETRY = timedelta(hours=1)  # when a body a full index lane left unindexed is fetched again
 GONE_STATUSES = frozenset({404, 410})
 # The 2xx that carry the whole document; a 204 (nothing) or a 206 nobody asked for (a part)
 # must never replace a good body: any other answer fails the fetch, keeping what is kept.
@@ -350,8 +351,27 @@ def validators(response: http.Response) -> dict[str, str]:
 
 
 def enqueue_index(artifact_id: int, sha256: str) -> None:
-    """Have the search side index this body; one job per (artifact, body)."""
-    enqueue(INDEX_ARTIFACT, {"artifact_id": artifact_id}, unique_key=index_key(artifact_id, sha256))
+    """Have the search side index this body; one job per (artifact, body).
+
+    Inside the fetch's completing transaction. A full index lane (``drop``, or ``reject``:
+    ``LaneFull``, caught in a savepoint) must cost neither the fetch (refused, its commit
+    rolled back and the body was downloaded again, attempt after attempt) nor the index
+    (dropped, the new body went unindexed until the next refresh, weeks later): the
+    artifact is due again in :data:`INDEX_RETRY`, and that refresh, finding the body
+    unindexed, enqueues its index job again.
+    """
+    try:
+        with transaction.atomic():
+            job = enqueue(
+                INDEX_ARTIFACT,
+                {"artifact_id": artifact_id},
+                unique_key=index_key(artifact_id, sha256),
+            )
+    except LaneFull:
+        job = None
+    if job is None:
+        Artifact.objects.filter(pk=artifact_id).update(refresh_after=db_now() + INDEX_RETRY)
+        log.warning("artifact_index_deferred", artifact_id=artifact_id, sha256=sha256)
 
 
 def gone(ctx: JobContext, artifact: Artifact, response: http.Response) -> dict[str, Any]:

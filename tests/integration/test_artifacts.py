@@ -148,6 +148,34 @@ def test_a_changed_body_gets_a_new_hash_and_is_indexed_again(site, source, run_w
     assert not ReconciliationIssue.objects.exists()  # nothing listed a lastmod: no verdict
 
 
+@pytest.mark.parametrize("on_full", ["drop", "reject"])
+def test_a_body_a_full_index_lane_leaves_unindexed_is_fetched_again_soon(
+    site, source, run_worker, settings, on_full
+):
+    """Refused (LaneFull), the index job rolled the fetch back: the body was downloaded
+    again attempt after attempt. Dropped, the new body went unindexed until the next
+    refresh, weeks later. Now the fetch commits and is due again in an hour, and that
+    fetch (a 304) enqueues the index job (audit)."""
+    artifact = artifact_at(source, DOC)
+    index_lane = {"kinds": [INDEX_ARTIFACT], "max_queued": 1, "on_full": on_full}
+    settings.HOLDFAST_LANES = {"default": {}, "index": index_lane}
+    filler = enqueue(INDEX_ARTIFACT, {"artifact_id": 10**9}, delay=3600)
+    job = fetch(run_worker, artifact)
+    assert (job.state, job.attempts, job.result["outcome"]) == (State.SUCCEEDED, 1, "stored")
+    assert artifact.sha256 and artifact.indexed_sha256 == "" and index_jobs(artifact) == []
+    due_in = artifact.refresh_after - timezone.now()
+    assert timedelta(minutes=59) < due_in <= artifacts_module.INDEX_RETRY
+    assert len(site.requests_to(DOC)) == 1
+
+    Job.objects.filter(pk=filler.pk).delete()  # the lane has room again
+    Artifact.objects.filter(pk=artifact.pk).update(refresh_after=timezone.now())
+    assert artifacts_module.refresh_due(10) == 1
+    run_worker()
+    artifact.refresh_from_db()
+    assert artifact.indexed_sha256 == artifact.sha256
+    assert [job.state for job in index_jobs(artifact)] == [State.SUCCEEDED]
+
+
 @pytest.mark.parametrize("status", [404, 410])
 def test_404_and_410_mark_the_artifact_gone_with_one_issue(source, run_worker, status):
     artifact = artifact_at(source, f"/status/{status}")
