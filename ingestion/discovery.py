@@ -94,8 +94,22 @@ run_completed: list[Callable[[DiscoveryRun], None]] = []
 
 
 def active_jobs(source_name: str) -> QuerySet[Job]:
-    """Discovery jobs of this source that are queued or running."""
-    return Job.objects.filter(ACTIVE, kind=DISCOVER_KIND, args__source=source_name).order_by("pk")
+    """Discovery jobs of this source that are queued or running (unordered: see
+    :func:`first_active`)."""
+    return Job.objects.filter(ACTIVE, kind=DISCOVER_KIND, args__source=source_name).order_by()
+
+
+def first_active(source_name: str, other_than: int | None = None) -> Job | None:
+    """The oldest of :func:`active_jobs` (but ``other_than``), or None.
+
+    Picked here, not by ``ORDER BY id LIMIT 1``: on a large table PostgreSQL answers that
+    by walking the primary key through the whole history (0.6 s at three million jobs)
+    rather than reading the few active rows through ``job_state_idx``.
+    """
+    found = (
+        active_jobs(source_name).exclude(pk=other_than) if other_than else active_jobs(source_name)
+    )
+    return min(found, key=lambda job: job.pk, default=None)
 
 
 def start_discovery(source: Source) -> tuple[Job | None, str]:
@@ -113,7 +127,7 @@ def start_discovery(source: Source) -> tuple[Job | None, str]:
         raise StateConflict(f"source {source.name!r} is disabled")
     with transaction.atomic():
         Source.objects.select_for_update().filter(pk=source.pk).exists()
-        busy = active_jobs(source.name).first()
+        busy = first_active(source.name)
         if busy is not None:
             return None, _already(source, busy)
         job = enqueueing.enqueue(
@@ -335,7 +349,7 @@ def _run_for(ctx: JobContext, source: Source, run_id: int | None) -> DiscoveryRu
             return f"run {run_id} is not running"
         return run
     running = source.runs.filter(state=RunState.RUNNING).first()
-    other = active_jobs(source.name).exclude(pk=ctx.job_id).first()
+    other = first_active(source.name, other_than=ctx.job_id)
     if running is not None and other is not None:
         return f"run {running.pk} is in progress (job {other.pk})"
     redundant = _redundant_slot(ctx, source, other)

@@ -43,6 +43,7 @@ FINISHED_STATES = (State.SUCCEEDED, State.DEAD, State.CANCELLED)
 # (SQLite uses a partial index only for a query that repeats one of its OR's terms, or
 # all of a leading run of them: ``ACTIVE`` below, never ``state IN (…)``).
 INDEXED_STATES = (State.QUEUED, State.RUNNING, State.DEAD, State.CANCELLED)
+ENDED_BADLY = (State.DEAD, State.CANCELLED)  # job_ended_badly_idx: (state, id) of these
 
 
 def in_states(*states: str) -> Q:
@@ -127,6 +128,15 @@ class Job(models.Model):
                 fields=["state", "lane", "kind"],
                 name="job_state_idx",
                 condition=in_states(*INDEXED_STATES),
+            ),
+            # Dead and cancelled jobs newest (or oldest) first: the dead-jobs listing, its
+            # pages and requeue batches, list_jobs --state dead|cancelled. By state alone
+            # the pages walked the primary key past every newer job of other states
+            # (0.3 s a page behind a million newer succeeded jobs).
+            models.Index(
+                fields=["state", "id"],
+                name="job_ended_badly_idx",
+                condition=in_states(*ENDED_BADLY),
             ),
             # Pruning by age reads only finished rows.
             models.Index(

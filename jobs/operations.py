@@ -123,6 +123,21 @@ def dead_jobs(
     return Job.objects.filter(query).order_by("pk")
 
 
+def rows_by_id(found: QuerySet[Any], start: int, stop: int) -> list[Any]:
+    """``found[start:stop]``, read in two steps: the ids (through an index alone), then
+    their rows.
+
+    Asked for whole rows in id order, PostgreSQL walks the primary key and filters, since
+    its statistics cannot tell that, say, the dead jobs are all older than the million
+    succeeded ones in the way: 0.3 s a page of dead jobs. The ids are read without plain
+    index scans (``sql.ids_through_an_index``), so through ``job_ended_badly_idx`` (dead
+    and cancelled jobs by id) alone, or a bitmap of ``job_state_idx``: 0.1 ms a page.
+    """
+    with sql.ids_through_an_index():
+        ids = list(found.values_list("pk", flat=True)[start:stop])
+    return list(found.filter(pk__in=ids)) if ids else []
+
+
 @dataclass(frozen=True)
 class RequeueReport:
     """What ``requeue_each`` did: the jobs requeued, and each one it could not requeue

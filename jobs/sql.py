@@ -1213,6 +1213,31 @@ def _sqlite_reclaim(limit: int, job_id: int | None, cancel: bool, actor: str) ->
 
 
 @contextmanager
+def ids_through_an_index() -> Iterator[None]:
+    """PostgreSQL: plain index scans off for the statement(s) inside, in a transaction of
+    their own (or the caller's, the setting put back after): an index-only or bitmap scan
+    of a partial index is what is left.
+
+    For listings of ids in id order of a set (dead jobs) that sits far behind newer rows:
+    the planner cannot tell the set is old, so it estimates that walking the primary key
+    backwards finds a page of it at once, and walks a million newer rows instead.
+    """
+    if not is_postgres():
+        yield
+        return
+    with transaction.atomic():
+        with connection.cursor() as cursor:
+            cursor.execute(
+                "SELECT current_setting('enable_indexscan'),"
+                " set_config('enable_indexscan', 'off', true)"
+            )
+            (previous, _) = cursor.fetchone()
+        yield
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT set_config('enable_indexscan', %s, true)", [previous])
+
+
+@contextmanager
 def lock_waits_bounded(seconds: float) -> Iterator[None]:
     """A transaction whose lock waits (row locks; SQLite's database lock) end after
     ``seconds``, raising OperationalError, so an operator action never hangs behind a

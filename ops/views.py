@@ -135,7 +135,8 @@ def paginate(
     count = found.count()
     last = max(1, math.ceil(count / size))
     offset = (page - 1) * size
-    items = [shape(item) for item in found[offset : offset + size]] if offset < count else []
+    rows = operations.rows_by_id(found, offset, offset + size) if offset < count else []
+    items = [shape(item) for item in rows]
     url = request.build_absolute_uri()
 
     def link(number: int) -> str:
@@ -236,7 +237,9 @@ class RequeueDeadView(OpsView):
             dead = operations.dead_jobs(ids, kind=kind, lane=lane).only(*operations.REQUEUE_FIELDS)
             if not ids:  # a filter: one bounded batch, oldest first, from `after` on
                 limit = chosen["limit"]
-                selected = list(dead.filter(pk__gt=chosen.get("after", 0))[: limit + 1])
+                selected = operations.rows_by_id(
+                    dead.filter(pk__gt=chosen.get("after", 0)), 0, limit + 1
+                )
                 more, selected = len(selected) > limit, selected[:limit]
             else:
                 selected = list(dead)

@@ -371,6 +371,8 @@ def test_the_search_command_prints_hits_as_text_and_json(index):
     text = run("search", "keeper")
     assert "Keeping the Lighthouse" in text and page.url in text and "(1 hits)" in text
     assert run_json("search", "albatross") == {"count": 0, "hits": []}
+    # Unquoted words are one query, as typed into a search box (it was a usage error).
+    assert run_json("search", "keeper", "wick", "--source", "docs") == data
 
 
 @pytest.mark.parametrize(

@@ -23,7 +23,7 @@ from django.test import override_settings
 from django.test.utils import CaptureQueriesContext
 from prometheus_client import generate_latest
 
-from ingestion.discovery import active_jobs
+from ingestion.discovery import active_jobs, first_active
 from jobs import enqueueing, operations
 from jobs.models import Job, State
 from jobs.status import queue_status
@@ -138,3 +138,58 @@ def test_an_unknown_kind_or_lane_is_refused_without_reading_the_history(name: st
         assert not full_scans(found), f"{query}\n{found}"
         whole_pkey = r"Index (Only )?Scan (Backward )?using jobs_job_pkey on jobs_job\s*$"
         assert not re.search(whole_pkey, found, re.M), f"{query}\n{found}"
+
+
+# Look-ups behind a newer history (scale audit): each must read the rows it returns, not
+# walk the primary key past every newer job of other states. (The listing, the primary key
+# entries it may read: one per row it returns, and a few.)
+BEHIND_HISTORY: dict[str, tuple[Callable[[], object], int]] = {
+    "GET dead-jobs/": (lambda: dead_jobs_page(), 1_000),
+    "list_jobs --state dead": (lambda: run("list_jobs", "--state", "dead"), 1_000),
+    # Every dead job is listed, by id (15,000): not the 60,000 newer ones, batch by batch.
+    "requeue_dead --all --dry-run": (lambda: run("requeue_dead", "--all", "--dry-run"), 16_000),
+    # Not a listing: the look-up of a source's discovery job, which walked the whole key.
+    "discovery's look-up of a source's active job": (lambda: first_active("docs"), 1_000),
+}
+
+
+def dead_jobs_page() -> None:
+    from django.test import Client
+
+    from ops import tokens
+
+    token = tokens.create("plan-reader", "read")[1]
+    response = Client().get("/internal/v1/dead-jobs/", headers={"Authorization": f"Bearer {token}"})
+    assert response.status_code == 200 and response.json()["count"] == 15_000
+
+
+@pytest.mark.postgres
+@pytest.mark.parametrize("name", BEHIND_HISTORY)
+def test_a_lookup_behind_a_newer_history_reads_no_more_than_it_returns(name: str) -> None:
+    """15,000 dead jobs, then 60,000 newer succeeded ones. Asked for whole rows in id
+    order, PostgreSQL walked the primary key past all 60,000 (its statistics cannot tell
+    that the dead ones are old): a listing reads the ids through job_ended_badly_idx first
+    (operations.rows_by_id)."""
+    with connection.cursor() as cursor:
+        for state, count in (("dead", 15_000), ("succeeded", 60_000)):
+            cursor.execute(
+                "INSERT INTO jobs_job (kind, lane, args, priority, state, run_at, attempts,"
+                " max_attempts, lease_seconds, lease_token, cancel_requested, last_error,"
+                " created_at, updated_at, finished_at, locks)"
+                " SELECT 'test.echo', 'default', '{}', 0, %s, now(), 1, 1, 60, 1, false, '',"
+                " now(), now(), now(), '[]' FROM generate_series(1, %s)",
+                [state, count],
+            )
+        cursor.execute("ANALYZE jobs_job")
+    lookup, bound = BEHIND_HISTORY[name]
+    before = primary_key_reads()
+    lookup()
+    read = primary_key_reads() - before
+    assert read < bound, f"{name} read {read} entries of jobs_job's primary key"
+
+
+def primary_key_reads() -> int:
+    """Entries of jobs_job's primary key read by this transaction so far."""
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_stat_get_xact_tuples_returned('jobs_job_pkey'::regclass)")
+        return int(cursor.fetchone()[0])

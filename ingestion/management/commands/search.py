@@ -12,7 +12,12 @@ class Command(JobsCommand):
 
     def add_arguments(self, parser: CommandParser) -> None:
         super().add_arguments(parser)
-        parser.add_argument("query", help="words to find; any text is a valid query")
+        parser.add_argument(
+            "query",
+            nargs="+",
+            help="words to find, quoted or not (several are joined by spaces); any text is a "
+            "valid query",
+        )
         parser.add_argument("--source", help="only artifacts of this source")
         parser.add_argument(
             "--limit",
@@ -23,7 +28,8 @@ class Command(JobsCommand):
 
     def handle(self, *args: Any, **options: Any) -> None:
         hits = [
-            hit_dict(hit) for hit in search(options["query"], options["source"], options["limit"])
+            hit_dict(hit)
+            for hit in search(" ".join(options["query"]), options["source"], options["limit"])
         ]
         if options["as_json"]:
             self.emit_json({"count": len(hits), "hits": hits})

@@ -25,7 +25,7 @@ class Command(JobsCommand):
                 jobs = jobs.filter(**{field: options[field]})
         if options["kind"]:
             jobs = jobs.filter(operations.kind_filter(options["kind"]))
-        rows = [job_dict(job) for job in jobs[: options["limit"]]]
+        rows = [job_dict(job) for job in operations.rows_by_id(jobs, 0, options["limit"])]
         if not rows:  # none: a kind or lane nothing knows is a typo, not "no jobs"
             operations.check_filters(options["kind"], options["lane"])
         if options["as_json"]:

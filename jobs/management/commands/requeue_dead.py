@@ -35,7 +35,7 @@ class Command(JobsCommand):
         conflicts: list[dict[str, Any]] = []
         chosen: set[int] = set()  # of the named ids only
         after = 0
-        while batch := list(query.filter(pk__gt=after)[:BATCH]):
+        while batch := operations.rows_by_id(query.filter(pk__gt=after), 0, BATCH):
             report = operations.requeue_each(batch, dry_run=dry_run)
             requeued += report.requeued
             conflicts += report.conflicts
