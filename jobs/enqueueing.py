@@ -31,7 +31,7 @@ from .exceptions import (
     LaneFull,
 )
 from .log import get_logger
-from .models import ACTIVE_STATES, Job, State
+from .models import HOLDS_ITS_KEY, Job, State
 from .options import lane_problem
 from .registry import HandlerSpec, get_handler
 
@@ -410,7 +410,7 @@ def active_by_key(keys: Sequence[str]) -> dict[str, Job]:
     distinct = sorted(set(keys))
     for start in range(0, len(distinct), KEYS_PER_QUERY):
         chunk = distinct[start : start + KEYS_PER_QUERY]
-        for job in Job.objects.filter(unique_key__in=chunk, state__in=ACTIVE_STATES):
+        for job in Job.objects.filter(HOLDS_ITS_KEY, unique_key__in=chunk):
             found[job.unique_key] = job  # type: ignore[index]
     return found
 
@@ -425,7 +425,7 @@ def _create_unique(job: Job) -> tuple[Job, bool]:
             job.save(force_insert=True)
             return job, True
     except IntegrityError:
-        existing = Job.objects.filter(unique_key=job.unique_key, state__in=ACTIVE_STATES).first()
+        existing = Job.objects.filter(HOLDS_ITS_KEY, unique_key=job.unique_key).first()
         if existing is None:  # the holder finished between our insert and this read
             job.save(force_insert=True)
             return job, True

@@ -193,3 +193,35 @@ def primary_key_reads() -> int:
     with connection.cursor() as cursor:
         cursor.execute("SELECT pg_stat_get_xact_tuples_returned('jobs_job_pkey'::regclass)")
         return int(cursor.fetchone()[0])
+
+
+def test_unique_key_lookups_go_through_the_unique_index_with_bound_parameters() -> None:
+    """The plan of each statement as sent, its parameters bound (not inlined, as
+    query_plan's are): SQLite cannot tell that ``state IN (%s, %s)`` implies the partial
+    index's ``state IN ('queued', 'running')``, so every unique-key look-up of an
+    enqueue_many (and the refresher's "already being fetched?") read the whole table."""
+    from ingestion.artifacts import without_active_fetch
+    from ingestion.models import Artifact
+    from jobs.enqueueing import active_by_key
+
+    sent: list[tuple[str, tuple]] = []
+
+    def record(execute, sql, params, many, context):
+        sent.append((sql, params))
+        return execute(sql, params, many, context)
+
+    with connection.execute_wrapper(record):
+        active_by_key(["fetch:1", "fetch:2"])
+        list(without_active_fetch(Artifact.objects.filter(pk__in=[1, 2])).values_list("pk"))
+    assert len(sent) == 2
+    for sql, params in sent:
+        with connection.cursor() as cursor:
+            if connection.vendor == "sqlite":
+                cursor.execute("EXPLAIN QUERY PLAN " + sql, params)
+                found = "\n".join(row[3] for row in cursor.fetchall())
+            else:
+                cursor.execute("SET enable_seqscan = off")
+                cursor.execute("EXPLAIN " + sql, params)
+                found = "\n".join(row[0] for row in cursor.fetchall())
+                cursor.execute("RESET enable_seqscan")
+        assert "job_unique_key_active" in found, f"{sql}\n{found}"

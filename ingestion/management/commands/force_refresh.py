@@ -2,9 +2,9 @@ from typing import Any
 
 from django.core.management.base import CommandParser
 
-from ingestion.artifacts import enqueue_fetches, stale
+from ingestion.artifacts import force_fetches, stale
 from ingestion.models import Artifact, Source
-from jobs.management.base import JobsCommand, bad_input, row_id
+from jobs.management.base import JobsCommand, bad_input, failed, row_id
 
 
 class Command(JobsCommand):
@@ -25,7 +25,12 @@ class Command(JobsCommand):
         if len(chosen) != 1:
             raise bad_input("give exactly one of --artifact ID, --source NAME or --stale")
         selected = self.selected(options)
-        enqueued = enqueue_fetches(selected.order_by("pk"))
+        enqueued, full = force_fetches(selected)
+        if full:
+            raise failed(
+                f"the fetch lane is full: {len(enqueued)} fetch(es) enqueued before it filled;"
+                " run it again once the lane has room (artifacts already enqueued are skipped)"
+            )
         skipped = selected.count() - len(enqueued)
         if options["as_json"]:
             self.emit_json(
