@@ -135,11 +135,13 @@ def test_index_migrations_under_three_busy_workers_charge_no_attempt(
     workers: WorkerPool, migrated_forward: None
 ) -> None:
     """``manage.py migrate`` of the engine's index migrations (0011: an index built and
-    one dropped, both CONCURRENTLY; 0014: one redefined so; 0015: one dropped so), back
-    and forth, while three workers drain a queue.
+    one dropped, both CONCURRENTLY; 0014: one redefined so; 0015: one dropped so; 0016:
+    one built so), back and forth, while three workers drain a queue.
     A concurrent build waits out every transaction open when it starts: a worker holding
-    one across handler code would hold up the deploy for as long as its handler ran."""
-    total = 600
+    one across handler code would hold up the deploy for as long as its handler ran.
+    The queue holds about 25 s of work for three workers: on a loaded CI machine 600 jobs
+    (10 s) drained before the migrations ended."""
+    total = 1500
     ids, procs, describe = busy_fleet(workers, total, "index")
     for target, present, absent in (
         ("0010_i16_one_attempt_counter", "job_due_idx", "job_next_due_idx"),
@@ -149,6 +151,8 @@ def test_index_migrations_under_three_busy_workers_charge_no_attempt(
         ("0014_i16_state_index", "job_state_idx", "job_state_idx_next"),
         # 0015 drops job_next_due_idx (CONCURRENTLY); its way back built it again above.
         ("0015_i16_next_due_by_runnable", "job_runnable_idx", "job_next_due_idx"),
+        # 0016 builds job_ended_badly_idx (CONCURRENTLY).
+        ("0016_dead_listing_index", "job_ended_badly_idx", "job_next_due_idx"),
     ):
         before = succeeded()
         result = workers.command("migrate", "jobs", target, timeout=60)
