@@ -41,12 +41,17 @@ def finished_run(name: str, pool: WorkerPool) -> DiscoveryRun:
     return wait_until(done, 30, interval=0.1, message=lambda: f"{job_summary()}\n{pool.describe()}")
 
 
+def discovery_lanes(settings) -> dict[str, str]:
+    """The discovery lane and short lease, here and in the workers' environment."""
+    settings.HOLDFAST_LANES = LANES
+    settings.HOLDFAST_LEASE_SECONDS = LEASE_SECONDS
+    return {"HOLDFAST_TEST_LANES": json.dumps(LANES), "HOLDFAST_LEASE_SECONDS": str(LEASE_SECONDS)}
+
+
 def test_sigkill_mid_discovery_resumes_from_the_committed_cursor(
     workers: WorkerPool, settings, tmp_path: Path
 ) -> None:
-    settings.HOLDFAST_LANES = LANES
-    settings.HOLDFAST_LEASE_SECONDS = LEASE_SECONDS
-    env = {"HOLDFAST_TEST_LANES": json.dumps(LANES), "HOLDFAST_LEASE_SECONDS": str(LEASE_SECONDS)}
+    env = discovery_lanes(settings)
     with FixtureSite(per_sitemap=2) as site:
         for n in range(1, 11):
             site.add(f"/docs/{n}.html", f"Document {n}", f"text number {n}")
@@ -142,9 +147,7 @@ def test_a_page_that_kills_its_worker_every_time_is_given_up_the_run_goes_on(
     cursor's head, the job ended dead, the run stayed ``running`` and no page behind it
     was ever read (audit). Now after ``PAGE_CRASHES`` reads with no outcome it is failed
     with an issue, as a page that cannot be read, and the run completes without it."""
-    settings.HOLDFAST_LANES = LANES
-    settings.HOLDFAST_LEASE_SECONDS = LEASE_SECONDS
-    env = {"HOLDFAST_TEST_LANES": json.dumps(LANES), "HOLDFAST_LEASE_SECONDS": str(LEASE_SECONDS)}
+    env = discovery_lanes(settings)
     with FixtureSite(per_sitemap=2) as site:
         for n in range(1, 7):
             site.add(f"/docs/{n}.html", f"Document {n}", f"text {n}")
