@@ -98,7 +98,8 @@ def spool_files() -> tuple[dict[str, int], float]:
 
 def oldest_runnable(now: Any) -> QuerySet[Job, tuple[str, Any]]:
     """(lane, oldest run_at) of due queued jobs (blocked ones included), through an index
-    of the active rows (job_state_idx), never the finished history."""
+    of the active rows (job_state_idx), never the finished history: it reads every queued
+    row (delayed ones too), so its cost follows the backlog (docs/operations.md)."""
     return (
         Job.objects.filter(state=State.QUEUED, run_at__lte=now)
         .values_list("lane")
