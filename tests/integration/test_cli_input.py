@@ -252,3 +252,17 @@ def test_minus_zero_is_zero():
     """``-0`` is a number, and zero: stored as -0.0 it read "spacing -0 s" (audit)."""
     assert str(decimal_number("-0")) == "0.0"
     assert str(decimal_number("-0.0e3")) == "0.0"
+
+
+def test_enqueue_into_a_lane_that_drops_prints_json_with_json(settings):
+    """A documented outcome (exit 0) printed as plain text under --json: a script parsing
+    the output broke on it (contract audit)."""
+    settings.HOLDFAST_LANES = {"default": {"max_queued": 1, "on_full": "drop"}}
+    assert run_json("enqueue", "test.echo")["state"] == "queued"
+    assert run_json("enqueue", "test.echo") == {
+        "id": None,
+        "dropped": True,
+        "reason": "the lane is full and drops new jobs",
+    }
+    assert run("enqueue", "test.echo").strip() == "dropped: the lane is full and drops new jobs"
+    assert Job.objects.count() == 1

@@ -51,8 +51,12 @@ class Command(JobsCommand):
             unique_key=options["unique_key"],
             max_attempts=options["max_attempts"],
         )
-        if job is None:
-            self.stdout.write("dropped: the lane is full and drops new jobs")
+        if job is None:  # a full lane whose on_full is "drop": exit 0, as the engine returns
+            reason = "the lane is full and drops new jobs"
+            if options["as_json"]:
+                self.emit_json({"id": None, "dropped": True, "reason": reason})
+            else:
+                self.stdout.write(f"dropped: {reason}")
             return
         if options["as_json"]:
             self.emit_json(job_dict(job))
