@@ -16,6 +16,7 @@ from urllib.parse import urlsplit
 from django.core.exceptions import ImproperlyConfigured, ValidationError
 from django.core.validators import URLValidator, validate_slug
 from django.db import IntegrityError, transaction
+from django.db.models import Count, Max
 from django.db.models.functions import Now
 
 from jobs import scheduler
@@ -26,7 +27,7 @@ from jobs.schedules import Declared, schedule_provider
 from jobs.serialization import timestamp
 
 from . import egress, listings
-from .models import DiscoveryRun, PageState, Source, SourceKind
+from .models import Artifact, DiscoveryPage, DiscoveryRun, PageState, Source, SourceKind
 
 log = get_logger("ingestion.sources")
 
@@ -182,33 +183,67 @@ def disable_source(name: str) -> Source:
 
 def source_dict(source: Source) -> dict[str, Any]:
     """The JSON shape of a source, with its latest discovery run."""
-    run = source.runs.order_by("-pk").first()
-    return {
-        "name": source.name,
-        "kind": source.kind,
-        "url": source.url,
-        "schedule": source.schedule,
-        "spacing_seconds": source.spacing_seconds,
-        "max_pages_per_run": source.max_pages_per_run,
-        "refresh_days": source.refresh_days,
-        "enabled": source.enabled,
-        "allow_private": source.allow_private,
-        "created_at": timestamp(source.created_at),
-        "disabled_at": timestamp(source.disabled_at),
-        "robots_fetched_at": timestamp(source.robots_fetched_at),
-        "artifacts": source.artifacts.count(),
-        "last_run": None if run is None else run_dict(run),
-    }
+    return source_dicts([source])[0]
 
 
-def run_dict(run: DiscoveryRun) -> dict[str, Any]:
+def source_dicts(sources: list[Source]) -> list[dict[str, Any]]:
+    """``sources`` as :func:`source_dict` gives each, in four queries whatever their number
+    (one per source each for its artifacts, last run and pending pages was 150 queries
+    for 50 sources in ``list_sources``)."""
+    ids = [source.pk for source in sources]
+    counts = dict(
+        Artifact.objects.filter(source_id__in=ids)
+        .values_list("source_id")
+        .annotate(n=Count("id"))
+        .order_by()
+    )
+    latest = (
+        DiscoveryRun.objects.filter(source_id__in=ids)
+        .values("source_id")
+        .annotate(last=Max("id"))
+        .values("last")
+    )
+    runs = {run.source_id: run for run in DiscoveryRun.objects.filter(pk__in=latest)}
+    pending = dict(
+        DiscoveryPage.objects.filter(run__in=list(runs.values()), state=PageState.PENDING)
+        .values_list("run_id")
+        .annotate(n=Count("id"))
+        .order_by()
+    )
+    return [
+        {
+            "name": source.name,
+            "kind": source.kind,
+            "url": source.url,
+            "schedule": source.schedule,
+            "spacing_seconds": source.spacing_seconds,
+            "max_pages_per_run": source.max_pages_per_run,
+            "refresh_days": source.refresh_days,
+            "enabled": source.enabled,
+            "allow_private": source.allow_private,
+            "created_at": timestamp(source.created_at),
+            "disabled_at": timestamp(source.disabled_at),
+            "robots_fetched_at": timestamp(source.robots_fetched_at),
+            "artifacts": counts.get(source.pk, 0),
+            "last_run": (
+                run_dict(run, pending.get(run.pk, 0))
+                if (run := runs.get(source.pk)) is not None
+                else None
+            ),
+        }
+        for source in sources
+    ]
+
+
+def run_dict(run: DiscoveryRun, pending: int) -> dict[str, Any]:
+    """A run's JSON shape (``pending``: its pending pages)."""
     return {
         "id": run.pk,
         "state": run.state,
         "pages": run.pages,
         "items": run.items,
         "jobs": run.jobs,
-        "pending_pages": run.page_rows.filter(state=PageState.PENDING).count(),
+        "pending_pages": pending,
         "failed_pages": run.failed_pages,
         "started_at": timestamp(run.started_at),
         "finished_at": timestamp(run.finished_at),

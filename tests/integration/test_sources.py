@@ -8,7 +8,7 @@ import pytest
 from django.core.management import CommandError
 
 from ingestion import sources
-from ingestion.models import DiscoveryRun, Source
+from ingestion.models import Artifact, DiscoveryPage, DiscoveryRun, Source
 from jobs import scheduler
 from jobs.exceptions import InvalidJob
 from jobs.models import Job, Schedule
@@ -118,6 +118,25 @@ def test_list_sources_text_and_json():
     text = run("list_sources")
     assert "docs" in text and "news" in text and "completed, 4 pages, 7 items" in text
     assert "(2 sources)" in text
+
+
+def test_list_sources_reads_in_a_fixed_number_of_queries(django_assert_max_num_queries):
+    """Three queries a source (its artifacts, last run, pending pages) were 150 for 50
+    sources (scale audit): the figures are read for all of them at once."""
+    for n in range(30):
+        Source.objects.create(name=f"s{n}", kind="sitemap", url=URL, schedule="@daily")
+    for source in Source.objects.order_by("pk")[:10]:
+        DiscoveryRun.objects.create(source=source, state="completed")
+        run = DiscoveryRun.objects.create(source=source, pages=2, items=3, state="running")
+        DiscoveryPage.objects.create(run=run, url=URL)
+        Artifact.objects.create(source=source, url=f"{URL}?{source.pk}")
+    with django_assert_max_num_queries(6):
+        data = sources.source_dicts(list(Source.objects.order_by("name")))
+    listed = {row["name"]: row for row in data}
+    busy = listed[Source.objects.order_by("pk").first().name]
+    assert busy["artifacts"] == 1
+    assert (busy["last_run"]["state"], busy["last_run"]["pending_pages"]) == ("running", 1)
+    assert listed["s29"]["last_run"] is None and listed["s29"]["artifacts"] == 0
 
 
 def test_disable_source_removes_its_schedule_and_is_idempotent():

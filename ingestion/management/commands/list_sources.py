@@ -1,7 +1,7 @@
 from typing import Any
 
 from ingestion.models import Source
-from ingestion.sources import source_dict
+from ingestion.sources import source_dicts
 from jobs.management.base import JobsCommand
 
 
@@ -9,7 +9,7 @@ class Command(JobsCommand):
     help = "List sources: kind, URL, schedule, politeness and their latest discovery run."
 
     def handle(self, *args: Any, **options: Any) -> None:
-        rows = [source_dict(source) for source in Source.objects.order_by("name")]
+        rows = source_dicts(list(Source.objects.order_by("name")))
         if options["as_json"]:
             self.emit_json({"count": len(rows), "sources": rows})
             return
