@@ -61,6 +61,7 @@ MAX_PAGE_URLS = 50_000
 # What a listed URL may not hold: C0 controls but tab, CR and LF (which urlsplit drops),
 # DEL, and lone surrogates (from a charref or a codec that let one through).
 UNSTORABLE = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f\ud800-\udfff]")
+LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 class ListingError(HoldfastError, ValueError):
@@ -455,12 +456,16 @@ def _charrefs_repaired(body: bytes) -> bytes:
 
 
 def feed_title(title: Any) -> str:
-    """An entry's title as the database stores it on both databases: one line, no NUL
-    (PostgreSQL's text refuses it), no lone surrogate, at most ``MAX_TITLE_CHARS``."""
-    if not isinstance(title, str):
-        return ""
-    text = " ".join(title.replace("\x00", " ").split())
-    return text.encode("utf-8", "replace").decode("utf-8")[:MAX_TITLE_CHARS]
+    """An entry's title as the database stores it on both databases: :func:`clean`, at
+    most ``MAX_TITLE_CHARS``."""
+    return clean(title)[:MAX_TITLE_CHARS] if isinstance(title, str) else ""
+
+
+def clean(text: str) -> str:
+    """Text as both databases store it: one line of words (runs of whitespace as one
+    space), NUL (PostgreSQL's text refuses it) gone, a lone surrogate (a charref, or a
+    declared ``utf-7``, can decode to one; UTF-8 cannot encode it) as U+FFFD."""
+    return " ".join(LONE_SURROGATE.sub("\ufffd", text.replace("\x00", " ")).split())
 
 
 # --- URLs and dates ----------------------------------------------------------------------

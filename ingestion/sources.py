@@ -120,7 +120,7 @@ def _validate(
         # What a listing's URL may not hold either: no server serves it, and a NUL cannot
         # be stored by PostgreSQL (the run's first page row).
         raise InvalidJob(f"the URL holds a control character or invalid Unicode: {url!r}")
-    if len(url.encode("utf-8", "surrogatepass")) > URL_MAX_LENGTH:
+    if len(url.encode()) > URL_MAX_LENGTH:  # (no surrogate: refused above)
         # Bytes, as a listed URL's (listings.URL_LENGTH): the source URL is the run's first
         # page, and PostgreSQL cannot index a page row much longer (2,000 CJK characters
         # are 6,000 bytes), so every discovery of the source failed.
