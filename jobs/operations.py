@@ -219,11 +219,20 @@ REQUEUE_FIELDS = ("pk", "kind", "lane", "state", "unique_key")
 
 
 def left_out(
-    ids: Sequence[int], chosen: set[int], wanted: str, actor: str = "operator"
+    ids: Sequence[int],
+    chosen: set[int],
+    kind: str | None,
+    lane: str | None,
+    actor: str = "operator",
+    flag: str = "",
 ) -> list[dict[str, Any]]:
     """The conflicts of named jobs a selection (``chosen``) left out: one that is not dead
-    (as ``requeue_each`` words it), or a dead one outside the filter (``wanted``, e.g.
-    ``kind K``), which must not be requeued all the same."""
+    (as ``requeue_each`` words it), or a dead one outside the ``kind`` or ``lane`` given,
+    which must not be requeued all the same. ``flag`` prefixes the filters' names in the
+    reason (``--`` for the command's options)."""
+    wanted = " and ".join(
+        f"{flag}{name} {value}" for name, value in (("kind", kind), ("lane", lane)) if value
+    )
     jobs = Job.objects.filter(pk__in=[pk for pk in ids if pk not in chosen]).only(*REQUEUE_FIELDS)
     conflicts = requeue_each(
         [job for job in jobs if job.state != State.DEAD], actor=actor

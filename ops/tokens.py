@@ -8,15 +8,17 @@ is nothing to brute-force. The plain token is shown once, at creation, and never
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import re
 import secrets
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from django.db import DatabaseError, IntegrityError, OperationalError, transaction
+from django.db import DatabaseError, IntegrityError, transaction
 from django.db.models import F
 from django.db.models.functions import Now
 from django.utils import timezone
@@ -141,35 +143,38 @@ def check(token: str) -> Verdict:
 LAST_USED_LOCK_WAIT = 0.5  # seconds: a busy database costs a request no more for it
 
 
-def _touch(pk: int) -> None:
-    """Record the token's use, if the database can take the write at once. It is
-    bookkeeping: a held write lock (SQLite) or row lock must not hold up the request it
-    serves (a cancel must answer within seconds), and the next request records it."""
+@contextlib.contextmanager
+def _bookkeeping(event: str, **fields: Any) -> Iterator[None]:
+    """A write that is bookkeeping, not the request's work: it waits at most
+    ``LAST_USED_LOCK_WAIT`` for a lock (a held write lock on SQLite, a row lock), and any
+    database error (busy, down, a table not migrated yet during an upgrade) skips it,
+    logged as ``event``. The request it rides on is answered all the same: a cancel must
+    answer within seconds, and a refused token is a 401, never a 500."""
     try:
         with sql.lock_waits_bounded(LAST_USED_LOCK_WAIT):
-            OpsToken.objects.filter(pk=pk).update(last_used_at=Now())
-    except OperationalError as exc:
-        log.info("token_last_used_not_recorded", token_pk=pk, error=" ".join(str(exc).split()))
+            yield
+    except DatabaseError as exc:
+        log.info(event, **fields, error=" ".join(str(exc).split()))
+
+
+def _touch(pk: int) -> None:
+    """Record the token's use (the next request records it if this one cannot)."""
+    with _bookkeeping("token_last_used_not_recorded", token_pk=pk):
+        OpsToken.objects.filter(pk=pk).update(last_used_at=Now())
 
 
 def count_refusal(reason: str) -> None:
-    """Add one to the refused requests' counter of ``reason``, if the database can take
-    the write at once: as ``_touch``, a busy database must not hold up (or fail) the 401,
-    and the refusal is logged whether or not it is counted. Nor may a database that is down,
-    or a table not yet migrated (a new API process during an upgrade), turn the 401 into a
-    500: any database error skips the count and says so."""
+    """Add one to the refused requests' counter of ``reason`` (the refusal is logged
+    whether or not it is counted)."""
     counter = AuthRefusal.objects.filter(reason=reason)
-    try:
-        with sql.lock_waits_bounded(LAST_USED_LOCK_WAIT):
-            if counter.update(count=F("count") + 1):
-                return
-            try:
-                with transaction.atomic():  # a savepoint: another process may insert first
-                    AuthRefusal.objects.create(reason=reason, count=1)
-            except IntegrityError:
-                counter.update(count=F("count") + 1)
-    except DatabaseError as exc:
-        log.info("auth_refusal_not_counted", reason=reason, error=" ".join(str(exc).split()))
+    with _bookkeeping("auth_refusal_not_counted", reason=reason):
+        if counter.update(count=F("count") + 1):
+            return
+        try:
+            with transaction.atomic():  # a savepoint: another process may insert first
+                AuthRefusal.objects.create(reason=reason, count=1)
+        except IntegrityError:
+            counter.update(count=F("count") + 1)
 
 
 def authenticate(token: str) -> Principal | None:

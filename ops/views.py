@@ -254,12 +254,10 @@ class RequeueDeadView(OpsView):
         report = operations.requeue_each(selected, actor=actor, dry_run=chosen["dry_run"])
         conflicts = report.conflicts
         if ids:  # named jobs not selected: not dead, or outside the kind or lane given
-            wanted = " and ".join(
-                f"{name} {value}" for name, value in (("kind", kind), ("lane", lane)) if value
-            )
             found = {job.pk for job in selected}
             conflicts = sorted(
-                conflicts + operations.left_out(ids, found, wanted, actor), key=lambda c: c["id"]
+                conflicts + operations.left_out(ids, found, kind, lane, actor),
+                key=lambda c: c["id"],
             )
         data: dict[str, Any] = {
             "requeued": report.requeued,

@@ -44,10 +44,7 @@ class Command(JobsCommand):
             after = batch[-1].pk
         if not after:  # none: a kind or lane nothing knows is a typo, not "no jobs"
             operations.check_filters(kind, lane)
-        wanted = " and ".join(
-            f"{name} {value}" for name, value in (("--kind", kind), ("--lane", lane)) if value
-        )
-        conflicts += operations.left_out(ids, chosen, wanted)
+        conflicts += operations.left_out(ids, chosen, kind, lane, flag="--")
         return requeued, conflicts
 
     def handle(self, *args: Any, **options: Any) -> None:
