@@ -490,18 +490,15 @@ def force_fetches(selected: QuerySet[Artifact]) -> tuple[list[int], bool]:
     after = 0
     while True:
         with transaction.atomic():
-            batch = selected.filter(pk__gt=after).order_by("pk")
-            ids = list(batch.values_list("pk", flat=True)[:IDS_PER_QUERY])
+            next_ids = selected.filter(pk__gt=after).order_by("pk").values_list("pk", flat=True)
+            ids = list(next_ids[:IDS_PER_QUERY])
             if not ids:
                 return enqueued, False
-            wanted = list(
-                without_active_fetch(Artifact.objects.filter(pk__in=ids)).values_list(
-                    "pk", flat=True
-                )
-            )
-            if wanted and not fetch_jobs(wanted):
+            batch = Artifact.objects.filter(pk__in=ids)
+            got = enqueue_fetches(batch)
+            if not got and without_active_fetch(batch).exists():  # wanted, none enqueued
                 return enqueued, True
-        enqueued += wanted
+        enqueued += got
         after = ids[-1]
 
 
