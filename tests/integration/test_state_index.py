@@ -225,3 +225,26 @@ def test_unique_key_lookups_go_through_the_unique_index_with_bound_parameters() 
                 found = "\n".join(row[0] for row in cursor.fetchall())
                 cursor.execute("RESET enable_seqscan")
         assert "job_unique_key_active" in found, f"{sql}\n{found}"
+
+
+@pytest.mark.postgres
+def test_plain_index_scans_come_back_after_an_ids_read_in_a_callers_transaction() -> None:
+    """``sql.ids_through_an_index`` turns plain index scans off for its own statements
+    only: inside a caller's transaction (the requeue view's, say) the setting is put back,
+    on the way out and when the block fails."""
+    from django.db import transaction
+
+    from jobs import sql
+
+    def setting() -> str:
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT current_setting('enable_indexscan')")
+            return cursor.fetchone()[0]
+
+    with transaction.atomic():
+        with sql.ids_through_an_index():
+            assert setting() == "off"
+        assert setting() == "on"
+        with pytest.raises(ZeroDivisionError), sql.ids_through_an_index():
+            1 / 0  # noqa: B018
+        assert setting() == "on"
