@@ -8,12 +8,11 @@ is nothing to brute-force. The plain token is shown once, at creation, and never
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import hmac
 import re
 import secrets
-from collections.abc import Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
@@ -143,31 +142,35 @@ def check(token: str) -> Verdict:
 LAST_USED_LOCK_WAIT = 0.5  # seconds: a busy database costs a request no more for it
 
 
-@contextlib.contextmanager
-def _bookkeeping(event: str, **fields: Any) -> Iterator[None]:
-    """A write that is bookkeeping, not the request's work: it waits at most
+def _bookkeeping(write: Callable[[], object], event: str, **fields: Any) -> None:
+    """Run ``write``, bookkeeping rather than the request's work: it waits at most
     ``LAST_USED_LOCK_WAIT`` for a lock (a held write lock on SQLite, a row lock), and any
-    database error (busy, down, a table not migrated yet during an upgrade) skips it,
-    logged as ``event``. The request it rides on is answered all the same: a cancel must
-    answer within seconds, and a refused token is a 401, never a 500."""
+    database error (busy, down, a table not migrated yet during an upgrade), from taking
+    the lock to the commit, skips it, logged as ``event``. The request it rides on is
+    answered all the same: a cancel must answer within seconds, and a refused token is a
+    401, never a 500."""
     try:
         with sql.lock_waits_bounded(LAST_USED_LOCK_WAIT):
-            yield
+            write()
     except DatabaseError as exc:
         log.info(event, **fields, error=" ".join(str(exc).split()))
 
 
 def _touch(pk: int) -> None:
     """Record the token's use (the next request records it if this one cannot)."""
-    with _bookkeeping("token_last_used_not_recorded", token_pk=pk):
-        OpsToken.objects.filter(pk=pk).update(last_used_at=Now())
+    _bookkeeping(
+        lambda: OpsToken.objects.filter(pk=pk).update(last_used_at=Now()),
+        "token_last_used_not_recorded",
+        token_pk=pk,
+    )
 
 
 def count_refusal(reason: str) -> None:
     """Add one to the refused requests' counter of ``reason`` (the refusal is logged
     whether or not it is counted)."""
     counter = AuthRefusal.objects.filter(reason=reason)
-    with _bookkeeping("auth_refusal_not_counted", reason=reason):
+
+    def add_one() -> None:
         if counter.update(count=F("count") + 1):
             return
         try:
@@ -175,6 +178,8 @@ def count_refusal(reason: str) -> None:
                 AuthRefusal.objects.create(reason=reason, count=1)
         except IntegrityError:
             counter.update(count=F("count") + 1)
+
+    _bookkeeping(add_one, "auth_refusal_not_counted", reason=reason)
 
 
 def authenticate(token: str) -> Principal | None:
