@@ -19,15 +19,13 @@ from typing import Any
 from django.db import (
     DatabaseError,
     IntegrityError,
-    InterfaceError,
-    OperationalError,
     connection,
     transaction,
 )
 from django.db.models import F
 from django.db.models.functions import Now
 
-from . import engine, enqueueing, retention
+from . import engine, enqueueing, retention, sql
 from .exceptions import HoldfastError, LaneFull, StateConflict
 from .log import get_logger
 from .models import CatchUp, Job, Schedule
@@ -265,7 +263,9 @@ class SchedulerLoop:
             try:
                 sleep = self.synced_pass()
                 delay = 0.5
-            except (OperationalError, InterfaceError) as exc:
+            except DatabaseError as exc:
+                if not sql.unavailable(exc):
+                    raise
                 log.error(
                     "database_unavailable",
                     during="scheduler",

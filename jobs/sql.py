@@ -41,6 +41,8 @@ from django.db import (
     DEFAULT_DB_ALIAS,
     DatabaseError,
     IntegrityError,
+    InterfaceError,
+    OperationalError,
     connection,
     connections,
     transaction,
@@ -1527,6 +1529,15 @@ def fault(exc: BaseException) -> str | None:
     if state.startswith("08") or state in SERVER_STATES:
         return "connection"
     return None
+
+
+def unavailable(exc: BaseException) -> bool:
+    """Whether ``exc`` says the database cannot serve us now (down, restarting, refusing
+    writes, a lost session or prepared statement) rather than that a statement was wrong:
+    what the worker and the scheduler wait out and the API answers with a 503. A standby
+    not yet promoted refuses writes with ``InternalError`` (SQLSTATE 25006), which is
+    neither of Django's two connection errors."""
+    return isinstance(exc, OperationalError | InterfaceError) or fault(exc) is not None
 
 
 # ``run(query, params)``: one statement of a SQLite transaction (``_sqlite_immediate``).

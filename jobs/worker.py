@@ -794,8 +794,8 @@ def _flush_progress(ctx: JobContext) -> None:
 
 def _retryable(exc: BaseException) -> bool:
     """An engine step that met this is run again after a pause: an outage, a timeout, a
-    lost session or prepared statement."""
-    return isinstance(exc, DB_ERRORS) or sql.fault(exc) is not None
+    lost session or prepared statement, a server refusing writes."""
+    return sql.unavailable(exc)
 
 
 @functools.cache

@@ -19,12 +19,13 @@ from django.core.exceptions import (
     SuspiciousOperation,
     TooManyFieldsSent,
 )
-from django.db import InterfaceError, OperationalError
+from django.db import DatabaseError
 from django.http import Http404, HttpRequest, JsonResponse, UnreadablePostError
 from rest_framework import exceptions, status
 from rest_framework.response import Response
 from rest_framework.views import set_rollback
 
+from jobs import sql
 from jobs.exceptions import HoldfastError, InvalidJob, StateConflict
 from jobs.log import get_logger
 
@@ -35,9 +36,13 @@ from .messages import not_found_message, one_line
 log = get_logger("ops.api")
 
 DATABASE_UNAVAILABLE = "the database is unavailable; try again shortly"
-# Errors of the database connection itself (not of a statement): the database is down,
-# unreachable, or (SQLite) locked for longer than the busy timeout.
-DATABASE_DOWN = (OperationalError, InterfaceError)
+
+
+def database_down(exc: BaseException) -> bool:
+    """The database cannot serve the request now (down, unreachable, restarting, refusing
+    writes on a standby; SQLite locked past the busy timeout): a 503 to retry, never a
+    500."""
+    return isinstance(exc, DatabaseError) and sql.unavailable(exc)
 
 
 class Conflict(exceptions.APIException):
@@ -117,7 +122,7 @@ def as_api_exception(exc: Exception) -> exceptions.APIException | None:
         return Conflict(str(exc))
     if isinstance(exc, InvalidJob):
         return exceptions.ValidationError({"body": [str(exc)]})
-    if isinstance(exc, DATABASE_DOWN):
+    if database_down(exc):
         return DatabaseUnavailable()
     return None
 

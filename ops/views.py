@@ -41,7 +41,7 @@ from jobs.status import queue_status
 
 from . import metrics, schema
 from .authentication import BearerTokenAuthentication
-from .exceptions import DATABASE_DOWN
+from .exceptions import database_down
 from .messages import one_line
 from .serializers import (
     PAGE_SIZE_DEFAULT,
@@ -502,7 +502,7 @@ class HealthView(OpsView):
     def handle_exception(self, exc: Exception) -> Response:
         # Also when the token could not be checked (that needs the database): down is all
         # anyone learns then.
-        if isinstance(exc, DATABASE_DOWN):
+        if database_down(exc):
             log.warning("api_database_unavailable", error=f"{type(exc).__name__}: {exc}")
             return Response({"status": "down"}, status=503)
         return super().handle_exception(exc)

@@ -5,11 +5,13 @@ meets a lost session gives its job back uncharged."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 
 import psycopg
 import pytest
 from django.db import connection
+from structlog.testing import capture_logs
 
 from jobs import engine, enqueueing, sql
 from jobs.models import Job, Lease, State
@@ -159,3 +161,53 @@ def test_a_handler_that_meets_a_database_fault_gives_its_job_back_uncharged() ->
     Job.objects.filter(pk=job.pk).update(max_attempts=1)
     claimed = claim_one("w1")
     assert engine.interrupted(claimed, failure(), 0.0).how.outcome == "failed"
+
+
+def read_only_session() -> None:
+    """This thread's session refuses writes, as a standby not yet promoted (or a demoted
+    primary) does in a failover; a new session (after ``connection.close()``) accepts them."""
+    with connection.cursor() as cursor:
+        cursor.execute("SET default_transaction_read_only = on")
+
+
+def test_the_scheduler_waits_out_a_server_that_refuses_writes(transactional_db: None) -> None:
+    """The refusal is an ``InternalError`` (SQLSTATE 25006), not one of Django's two
+    connection errors: ``runscheduler`` exited with it where the workers waited."""
+    from jobs.scheduler import SchedulerLoop
+
+    stop = threading.Event()
+    loop = SchedulerLoop(stop)
+    read_only_session()
+    timer = threading.Timer(1.5, stop.set)
+    timer.start()
+    try:
+        with capture_logs() as logs:
+            loop.run()  # returns when stopped; raised the refusal before
+    finally:
+        timer.cancel()
+    waited = [e for e in logs if e["event"] == "database_unavailable"]
+    assert waited and "read-only" in waited[0]["error"], logs
+    assert loop._synced  # the next pass, on a new session, went through
+
+
+def test_the_api_answers_503_while_the_server_refuses_writes(transactional_db: None) -> None:
+    from django.test import Client
+
+    from ops import tokens
+
+    _, token = tokens.create("failover-bot", "write")
+    job = enqueueing.enqueue("test.echo", {"n": 1})
+    read_only_session()
+    try:
+        response = Client().generic(
+            "POST",
+            f"/internal/v1/jobs/{job.pk}/cancel/",
+            "",
+            content_type="application/json",
+            headers={"Authorization": f"Bearer {token}"},
+        )
+    finally:
+        connection.close()
+    assert response.status_code == 503, response.content  # was a 500 with a traceback
+    assert response.json()["code"] == "database_unavailable"
+    assert Job.objects.get(pk=job.pk).state == State.QUEUED
