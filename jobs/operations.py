@@ -269,9 +269,14 @@ def cancel(job_id: int, actor: str = "operator") -> Job:
     except OperationalError as exc:
         if not _is_lock_wait(exc):
             raise
+        ends = (
+            "the server ends such sessions within one lease"
+            if sql.is_postgres()
+            else "other workers kill a frozen holder of the lock once its lease expired"
+        )
         raise StateConflict(
-            f"job {job_id} is locked by an open transaction (its worker may be frozen; the "
-            f"server ends such sessions within one lease): nothing changed, try again"
+            f"job {job_id} is locked by an open transaction (its worker may be frozen; "
+            f"{ends}): nothing changed, try again"
         ) from None
 
 

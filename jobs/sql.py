@@ -29,6 +29,7 @@ import functools
 import json
 import re
 import struct
+import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -1272,9 +1273,16 @@ def lock_waits_bounded(seconds: float) -> Iterator[None]:
             cursor.execute(f"PRAGMA busy_timeout = {int(previous)}")
 
 
+_thread_busy_timeout = threading.local()
+
+
 def sqlite_busy_timeout(milliseconds: int) -> None:
     """This thread's SQLite connection waits at most this long for the write lock (the
-    settings' 20 s otherwise)."""
+    settings' 20 s otherwise), also once it is closed and opened again
+    (``configure_session``): a lease keeper closes its connection after "database is
+    locked", and the next step of the same pass waited 20 s on a new one, so a frozen
+    holder of the lock was looked for every 20 s instead of every reclaim interval."""
+    _thread_busy_timeout.ms = int(milliseconds)
     with connection.cursor() as cursor:
         cursor.execute(f"PRAGMA busy_timeout = {int(milliseconds)}")
 
@@ -1410,7 +1418,12 @@ def configure_session(sender: Any, connection: Any, **kwargs: Any) -> None:
     connection, when the session is the process's own (prepared statements on). Behind a
     transaction-mode pooler a session setting would stay on a server connection other
     clients get next, so nothing is set; docs/operations.md says to set ``jit`` off for
-    the role there."""
+    the role there. On SQLite: this thread's busy timeout (``sqlite_busy_timeout``)."""
+    if connection.vendor == "sqlite":
+        if (milliseconds := getattr(_thread_busy_timeout, "ms", None)) is not None:
+            with connection.cursor() as cursor:
+                cursor.execute(f"PRAGMA busy_timeout = {milliseconds}")
+        return
     if connection.vendor != "postgresql" or not prepared_statements():
         return
     with connection.cursor() as cursor:

@@ -607,14 +607,17 @@ class WorkerProcess:
         try:
             sleep = self._scheduler.synced_pass(between=lambda: self._beat(state))
             state.schedule_backoff = 0.5
-        except DB_ERRORS as exc:
-            log.error(
-                "database_unavailable",
-                during="scheduler",
-                error=_one_line(exc),
-                retry_in=state.schedule_backoff,
-            )
-            connection.close()
+        except DatabaseError as exc:
+            if _retryable(exc):  # an outage, or a server refusing writes (a failover)
+                log.error(
+                    "database_unavailable",
+                    during="scheduler",
+                    error=_one_line(exc),
+                    retry_in=state.schedule_backoff,
+                )
+                connection.close()
+            else:
+                log.exception("background_step_failed", during="scheduler")
             sleep, state.schedule_backoff = (
                 state.schedule_backoff,
                 min(state.schedule_backoff * 2, MAX_DB_BACKOFF),

@@ -189,3 +189,32 @@ def lock_wait_now() -> str:
         else:
             cursor.execute("PRAGMA busy_timeout")
         return str(cursor.fetchone()[0])
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_threads_sqlite_lock_wait_outlives_a_reconnect() -> None:
+    """A lease keeper's bounded wait for the write lock holds on the connection it opens
+    after closing one on "database is locked"; it waited the settings' 20 s there, so a
+    frozen holder of the lock was looked for every 20 s, and healthy workers' shorter
+    leases ran out meanwhile. Other threads keep the settings' wait."""
+    from jobs import sql
+
+    if connection.vendor != "sqlite":
+        pytest.skip("SQLite's busy timeout")
+    seen: dict[str, str] = {}
+
+    def keeper() -> None:
+        try:
+            sql.sqlite_busy_timeout(750)
+            seen["before"] = lock_wait_now()
+            connection.close()
+            seen["after"] = lock_wait_now()  # a new connection
+        finally:
+            connection.close()
+
+    thread = threading.Thread(target=keeper)
+    thread.start()
+    thread.join()
+    assert seen == {"before": "750", "after": "750"}
+    connection.close()
+    assert lock_wait_now() == "20000"  # this thread: the settings' wait

@@ -104,6 +104,32 @@ def test_a_worker_frozen_inside_ctx_atomic_is_killed_and_its_job_completed_once(
     assert_engine_invariants(job_ids=[job.pk, *others_jobs], context=workers.describe())
 
 
+def test_a_frozen_holder_is_killed_in_time_by_a_worker_whose_own_heartbeats_it_blocks(
+    workers: WorkerPool, tmp_path: Path
+) -> None:
+    """The healthy worker is running a job (2 s lease) when the other freezes holding the
+    lock: its heartbeats meet "database is locked", and each closed its connection. The
+    next step of that lease-keeper pass opened a new one with the settings' 20 s wait, so
+    it looked for the frozen holder every 20 s: killed after about a minute, and the
+    healthy job's lease ran out meanwhile (dead, with one attempt allowed)."""
+    healthy = workers.start("w-healthy")
+    busy = enqueueing.enqueue("test.effect", {"sleep": 3 * LEASE}, max_attempts=1)
+    wait_until(lambda: Job.objects.get(pk=busy.pk).state == State.RUNNING, 10)
+    frozen = workers.start("w-frozen")
+    marker = tmp_path / "attempt-1"
+    job = _freezable(marker, pause_in_block=4 * LEASE)
+    wait_for_marker(Path(f"{marker}.in-block"), frozen)
+    frozen.stop()
+    frozen_at = time.monotonic()
+    assert frozen.wait_exit(BOUND + SLACK) == -signal.SIGKILL, healthy.describe()
+    assert time.monotonic() - frozen_at <= BOUND + SLACK
+    assert healthy.events("heartbeat_failed"), "the healthy worker never met the held lock"
+    _wait_succeeded([busy.pk, job.pk])
+    done = Job.objects.get(pk=busy.pk)
+    assert (done.attempts, done.lease_token) == (1, 1), job_summary([busy.pk])
+    assert healthy.alive, healthy.describe()
+
+
 def test_a_stopped_worker_holding_no_lock_is_left_alone(
     workers: WorkerPool, tmp_path: Path
 ) -> None:
