@@ -7,6 +7,7 @@ safe default, so a fresh clone runs on the embedded SQLite database under ``var/
 import math
 import os
 import secrets
+import sys
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -181,6 +182,26 @@ WSGI_APPLICATION = "config.wsgi.application"
 ASGI_APPLICATION = "config.asgi.application"
 
 
+SQLITE_WAL_LIMIT = 16 * 1024 * 1024  # bytes; the WAL's usual size is about 4 MiB
+SQLITE_INIT = (
+    "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL; "
+    f"PRAGMA journal_size_limit={SQLITE_WAL_LIMIT};"
+)
+
+
+def application_name(argv: list[str] | None = None) -> str:
+    """What ``pg_stat_activity.application_name`` shows for this process's connections:
+    ``holdfast runworker``, ``holdfast runscheduler``, ... (``holdfast`` for the API),
+    so operators can count each kind's connections; ``PGAPPNAME`` wins when set."""
+    if name := os.environ.get("PGAPPNAME", "").strip():
+        return name
+    argv = sys.argv if argv is None else argv
+    command = ""
+    if len(argv) > 1 and Path(argv[0]).name in ("manage.py", "django-admin", "__main__.py"):
+        command = argv[1] if argv[1].isidentifier() else ""
+    return f"holdfast {command}".strip()[:63]  # PostgreSQL keeps 63 bytes
+
+
 def database_config(variable: str = "DATABASE_URL") -> dict[str, Any]:
     url = os.environ.get(variable, "").strip()
     if not url:
@@ -193,11 +214,13 @@ def database_config(variable: str = "DATABASE_URL") -> dict[str, Any]:
     if engine == "django.db.backends.sqlite3":
         # WAL lets readers run beside one writer; IMMEDIATE takes the write lock at BEGIN,
         # so two processes never deadlock upgrading read locks; the busy timeout makes
-        # the loser wait instead of failing.
+        # the loser wait instead of failing. A checkpoint cannot pass a reader's snapshot,
+        # so the -wal file grows while a read stays open (a shell, a frozen process);
+        # journal_size_limit cuts it back once the reader is gone (docs/operations.md).
         config["OPTIONS"] = {
             "transaction_mode": "IMMEDIATE",
             "timeout": 20,
-            "init_command": "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;",
+            "init_command": SQLITE_INIT,
         }
         name = str(config["NAME"])
         config["TEST"] = {"NAME": f"{name.removesuffix('.sqlite3')}-test.sqlite3"}
@@ -210,6 +233,7 @@ def database_config(variable: str = "DATABASE_URL") -> dict[str, Any]:
         keepalives = {"keepalives": 1, "keepalives_idle": 30, "keepalives_interval": 10}
         config["OPTIONS"] = {
             "connect_timeout": 10,
+            "application_name": application_name(),
             **keepalives,
             "keepalives_count": 3,
             **dict(config.get("OPTIONS") or {}),
@@ -239,9 +263,10 @@ if os.environ.get("HOLDFAST_INGESTER_DATABASE_URL", "").strip():
         **database_config("HOLDFAST_INGESTER_DATABASE_URL"),
         "TEST": {"MIRROR": "default"},
     }
-# LISTEN needs a session of its own: when DATABASE_URL goes through a pooler, this names a
-# direct connection to the same database for the workers' wake-ups and cancel requests.
-# Unset: LISTEN on DATABASE_URL, or (prepared statements off, i.e. behind a pooler) poll.
+# A worker's side connection (its lease keeper's: LISTEN for wake-ups and cancel requests,
+# heartbeats, reclaim; docs/operations.md): when DATABASE_URL goes through a pooler, this
+# names a direct connection to the same database for it. Unset: the side connection uses
+# DATABASE_URL, and (prepared statements off, i.e. behind a pooler) workers poll.
 HOLDFAST_LISTEN_DATABASE = (
     database_config("HOLDFAST_LISTEN_DATABASE_URL")
     if os.environ.get("HOLDFAST_LISTEN_DATABASE_URL", "").strip()

@@ -23,7 +23,7 @@ def ingest_spool(ctx: JobContext, *, spool: str | None = None) -> dict[str, Any]
     and ends up dead, visible to operators, with every file still in the spool.
     """
     root = Spool.from_settings(spool)
-    stuck_after = float(getattr(settings, "HOLDFAST_SPOOL_STUCK_SECONDS", 60))
+    stuck_after = float(getattr(settings, "HOLDFAST_SPOOL_STUCK_SECONDS", 300))
     progress = drain(root, stuck_after=stuck_after, should_stop=lambda: ctx.cancel_requested)
     return progress.as_dict(pending=len(root.pending()))
 

@@ -7,6 +7,7 @@ own ``config/settings.py`` reads each of these from the environment (DESIGN §7)
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Any
 
 from django.conf import settings
@@ -20,6 +21,11 @@ DEFAULTS: dict[str, Any] = {
     "HOLDFAST_PREPARED_STATEMENTS": True,
     "HOLDFAST_LISTEN_DATABASE": None,  # settings dict of a direct connection for LISTEN
     "HOLDFAST_REFRESH_SECONDS": 300,
+    # Built-in retention (jobs.retention); None keeps that state's jobs forever.
+    "HOLDFAST_RETAIN_SUCCEEDED": timedelta(days=14),
+    "HOLDFAST_RETAIN_CANCELLED": timedelta(days=14),
+    "HOLDFAST_RETAIN_DEAD": timedelta(days=90),
+    "HOLDFAST_RETENTION_SECONDS": 600,
     "HOLDFAST_LANES": {"default": {}},
     "HOLDFAST_SCHEDULES": {},
     "LOG_FORMAT": None,  # json, or console on a TTY

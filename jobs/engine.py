@@ -423,6 +423,39 @@ def reclaim_expired(
     return [job.id for job in reclaimed]
 
 
+RECLAIM_HOLD_AFTER_OUTAGE = 45.0  # seconds: more than a settle's longest retry backoff (30)
+
+
+class ReclaimHold:
+    """A reclaimer's pause after its own connection to the server failed.
+
+    Every lease that ran out while the server was down or refusing writes looks like a dead
+    worker's once it is back, yet most belong to workers that are alive and reconnecting:
+    their lease keepers renew within a tick, and a handler that finished meanwhile settles
+    at its next retry (backed off up to 30 s). A reclaimer that came back first took those
+    jobs and ran them again, its own worker's included, and the finished result was
+    refused. So a reclaimer that lost its connection (``sql.fault``: "connection") leaves
+    expired leases alone for ``RECLAIM_HOLD_AFTER_OUTAGE`` seconds after the last failure;
+    a dead worker's job is reclaimed that much later. Other errors (a lock or statement
+    timeout, SQLite's "database is locked") hold nothing: the server was there.
+    """
+
+    def __init__(self) -> None:
+        self.until = 0.0
+
+    def note(self, exc: BaseException) -> None:
+        """Hold reclaims if ``exc`` says the connection to the server failed."""
+        if sql.fault(exc) != "connection":
+            return
+        if not self.held():
+            error = " ".join(str(exc).split()) or type(exc).__name__
+            log.warning("reclaims_held", seconds=RECLAIM_HOLD_AFTER_OUTAGE, error=error)
+        self.until = time.monotonic() + RECLAIM_HOLD_AFTER_OUTAGE
+
+    def held(self) -> bool:
+        return time.monotonic() < self.until
+
+
 def _log_reclaimed(reclaimed: Sequence[sql.Reclaimed]) -> None:
     if len(reclaimed) > 100:  # one line per pass, not per job
         states = {state: sum(job.state == state for job in reclaimed) for state in State}

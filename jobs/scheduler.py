@@ -256,6 +256,7 @@ class SchedulerLoop:
         self.retention = retention.Retention()
         self._synced = False
         self.unserved: set[int] = set()  # schedules this process cannot tick (``tick``)
+        self.reclaim_hold = engine.ReclaimHold()
 
     def run(self) -> None:
         delay = 0.5
@@ -272,6 +273,7 @@ class SchedulerLoop:
                     error=str(exc).strip(),
                     retry_in=delay,
                 )
+                self.reclaim_hold.note(exc)
                 connection.close()
                 sleep, delay = delay, min(delay * 2, 30.0)
             self.stop.wait(sleep)
@@ -289,7 +291,7 @@ class SchedulerLoop:
     def run_once(self, reclaim: bool = True, between: Callable[[], None] | None = None) -> float:
         """One pass; returns how long to sleep before the next. ``reclaim=False`` when the
         caller reclaims on its own; ``between`` runs between the pass's transactions."""
-        if reclaim:
+        if reclaim and not self.reclaim_hold.held():
             engine.reclaim_expired()
         now = engine.db_now()
         tick(now, between, self.unserved)

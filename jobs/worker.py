@@ -137,6 +137,7 @@ class WorkerProcess:
         self._current_lock = threading.Lock()
         self.kinds: list[str] = []  # the kinds this worker has handlers for: all it claims
         self._after_outage = False  # main thread: a database step failed since last check
+        self._reclaim_hold = engine.ReclaimHold()  # the lease keeper's, after its outages
         # SQLite: the keeper's looks for a stopped worker holding the write lock (and the
         # registration's, before the keeper starts: a frozen holder would keep it waiting).
         self._frozen_watch = workers.FrozenHolderWatch(float(settings.HOLDFAST_RECLAIM_SECONDS))
@@ -578,6 +579,9 @@ class WorkerProcess:
         """End other workers' expired leases, every ``HOLDFAST_RECLAIM_SECONDS`` (at once
         again while a pass fills its batch); a pass that ran out of time halves the batch."""
         every = float(settings.HOLDFAST_RECLAIM_SECONDS)
+        if self._reclaim_hold.held():  # just back from an outage (``engine.ReclaimHold``)
+            state.next_reclaim = time.monotonic() + min(every, KEEPER_TICK * 4)
+            return
         limit = state.reclaim_limit
         try:
             reclaimed = engine.reclaim_expired(limit, timeout_ms=self._reclaim_budget_ms())
@@ -674,6 +678,7 @@ class WorkerProcess:
             )
         except DB_ERRORS as exc:
             log.warning("heartbeat_failed", job_id=ctx.job_id, error=_one_line(exc))
+            self._reclaim_hold.note(exc)
             connection.close()
 
     def _enforce_grace(self, job: Claimed) -> None:
@@ -746,6 +751,7 @@ class WorkerProcess:
                 log.exception("background_step_failed")
                 return
             log.warning("database_unavailable", error=_one_line(exc), during="background")
+            self._reclaim_hold.note(exc)
             connection.close()
         except Exception:
             log.exception("background_step_failed")

@@ -62,6 +62,33 @@ class Interrupted(KeyboardInterrupt):
         self.signum = signum
 
 
+def refuse_unmigrated() -> None:
+    """Exit 1, naming them, if the database lacks migrations this code has: a worker or
+    scheduler started before ``manage.py migrate`` met "no such column" on every step
+    and logged it as ``database_unavailable`` for ever, which reads like an outage. A
+    database that cannot answer is the process's to wait out, as before."""
+    from django.db import connection
+    from django.db.migrations.executor import MigrationExecutor
+
+    try:
+        executor = MigrationExecutor(connection)
+        plan = executor.migration_plan(executor.loader.graph.leaf_nodes())
+    except DatabaseError:
+        return
+    if not plan:
+        return
+    by_app: dict[str, list[str]] = {}
+    for migration, _ in plan:
+        by_app.setdefault(migration.app_label, []).append(migration.name)
+    missing = "; ".join(
+        f"{app}: {len(names)} from {app}.{names[0]}" for app, names in sorted(by_app.items())
+    )
+    raise failed(
+        f"the database is not migrated for this code (not applied: {missing}): "
+        "run manage.py migrate first"
+    )
+
+
 def interrupted(exc: KeyboardInterrupt, done: str = "") -> CommandError:
     """Exit 128 + the signal's number (130 for Ctrl-C, 143 for SIGTERM), with one line
     saying what was done before it, instead of a traceback (or, for SIGTERM, nothing)."""

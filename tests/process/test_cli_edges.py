@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from jobs import enqueueing
-from tests.conftest import REPO, subprocess_env
+from tests.conftest import REPO, on_postgres, subprocess_env
 
 pytestmark = [pytest.mark.process, pytest.mark.timeout(120)]
 
@@ -188,3 +188,27 @@ def test_check_deploy_is_clean_in_the_documented_production_environment(tmp_path
     code, out, err = finish(start([sys.executable, MANAGE, "check", "--deploy"], env))
     assert code == 0, err
     assert "System check identified no issues" in out + err, out + err
+
+
+@pytest.mark.skipif(on_postgres(), reason="its own SQLite file: once is enough")
+def test_a_worker_or_scheduler_on_a_database_not_migrated_for_it_says_so(tmp_path: Path) -> None:
+    """Started before ``manage.py migrate`` (the deploy's steps out of order), a worker
+    met "no such column" on every step and logged ``database_unavailable`` for ever, as
+    if the database were down."""
+    env = subprocess_env("", tmp_path)
+    env.pop("DATABASE_URL")
+    env["HOLDFAST_VAR_DIR"] = str(tmp_path / "var")
+    migrate = subprocess.run(
+        [sys.executable, MANAGE, "migrate", "jobs", "0002", "-v", "0"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert migrate.returncode == 0, migrate.stderr
+    for command in (["runworker", "--burst"], ["runscheduler", "--once"]):
+        code, _, err = finish(start([sys.executable, MANAGE, *command], env))
+        assert code == 1, err
+        assert "not migrated for this code" in err and "jobs.0003" in err, err
+        assert "run manage.py migrate first" in err and "Traceback" not in err, err

@@ -149,3 +149,44 @@ def test_workers_survive_database_crashes_and_apply_each_effect_once(
             worker.terminate()
         for worker in workers:
             assert worker.wait_exit(timeout=15) == 0, worker.describe()
+
+
+def test_a_job_that_finished_during_an_outage_longer_than_its_lease_is_settled_once(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """The handler returns while the server is down, and the outage outlasts the lease.
+    Back up, the other worker's (or its own worker's) lease keeper reconnected first and
+    reclaimed the lease as a dead worker's: the job ran again, and the finished result
+    was refused (``lease_lost``). A reclaimer that lost its connection now leaves expired
+    leases alone for a while (``engine.ReclaimHold``): the live worker settles."""
+    env = cluster_env(cluster, tmp_path)
+    probe = Probe(cluster.url("holdfast"))
+    marker = tmp_path / "started"
+    with WorkerPool(env, tmp_path / "logs") as pool:
+        migrate = pool.command("migrate", "-v", "0", timeout=60)
+        assert migrate.returncode == 0, migrate.describe()
+        workers = [pool.start(f"w{i}") for i in (1, 2)]
+        pool.python(
+            "from jobs.enqueueing import enqueue\n"
+            f"enqueue('test.sleep', {{'seconds': 2, 'marker': {str(marker)!r}}},"
+            " lease_seconds=2, max_attempts=5)\n"
+        )
+        wait_until(marker.exists, 20, interval=0.05, message=pool.describe)
+        cluster.stop("fast")
+        time.sleep(8)  # the handler returns, its lease runs out, the settle backs off (8 s)
+        cluster.start()
+
+        def describe() -> str:
+            rows = probe.rows("SELECT lease_token, worker_id, outcome FROM jobs_lease")
+            return f"attempts: {rows}\n{pool.describe()}"
+
+        wait_until(
+            lambda: probe.try_count("SELECT count(*) FROM jobs_job WHERE state = 'succeeded'") == 1,
+            60,
+            interval=0.2,
+            message=describe,
+        )
+        assert probe.rows("SELECT attempts, lease_token FROM jobs_job") == [(1, 1)], describe()
+        assert probe.rows("SELECT outcome FROM jobs_lease") == [("succeeded",)], describe()
+        assert all(worker.alive for worker in workers), pool.describe()
+        assert not any(worker.events("lease_lost") for worker in workers), describe()

@@ -74,3 +74,23 @@ def test_the_spool_grace_is_read_from_the_environment(tmp_path):
         cwd=Path(__file__).resolve().parents[2],
     )
     assert read.stdout.strip() == "12.0"
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["/srv/holdfast/manage.py", "runworker", "--lanes", "media"], "holdfast runworker"),
+        (["manage.py", "runscheduler"], "holdfast runscheduler"),
+        (["/venv/bin/gunicorn", "ops.wsgi"], "holdfast"),
+        (["manage.py", "--version"], "holdfast"),
+    ],
+)
+def test_connections_name_their_command_in_pg_stat_activity(monkeypatch, argv, expected):
+    """docs/operations.md counts a fleet's connections by ``application_name``, which no
+    process set unless the operator exported PGAPPNAME."""
+    from config.settings import application_name
+
+    monkeypatch.delenv("PGAPPNAME", raising=False)
+    assert application_name(argv) == expected
+    monkeypatch.setenv("PGAPPNAME", "worker-7")
+    assert application_name(argv) == "worker-7"

@@ -7,7 +7,7 @@ from django.core.management.base import CommandParser
 
 from jobs import scheduler, schedules
 from jobs.log import get_logger, json_logs
-from jobs.management.base import JobsCommand
+from jobs.management.base import JobsCommand, refuse_unmigrated
 
 log = get_logger("jobs.scheduler")
 
@@ -21,6 +21,7 @@ class Command(JobsCommand):
 
     def handle(self, *args: Any, **options: Any) -> None:
         schedules.check_runnable()  # exit 2 naming a schedule that could never run
+        refuse_unmigrated()
         if options["as_json"]:
             json_logs()
         if options["once"]:

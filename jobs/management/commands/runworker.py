@@ -6,7 +6,7 @@ from django.db import DatabaseError
 from jobs import lanes as lane_config
 from jobs import schedules, workers
 from jobs.log import json_logs
-from jobs.management.base import JobsCommand, bad_input
+from jobs.management.base import JobsCommand, bad_input, refuse_unmigrated
 from jobs.models import Worker
 from jobs.worker import WorkerProcess
 
@@ -60,6 +60,7 @@ class Command(JobsCommand):
             len(worker_id) > MAX_WORKER_ID or not worker_id.isprintable()
         ):
             raise bad_input(f"--worker-id must be at most {MAX_WORKER_ID} printable characters")
+        refuse_unmigrated()
         if worker_id is not None:
             refuse_twin(worker_id)
         if options["with_scheduler"]:
