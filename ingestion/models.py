@@ -102,6 +102,15 @@ class IngestedSubmission(models.Model):
 
     class Meta:
         db_table = "ingested_submissions"
+        indexes = [
+            # gc_blobs's look-up of the excerpts in use (ingestion.blob_references); most
+            # submissions have none, and the spool's inserts of those skip the index.
+            models.Index(
+                fields=["log_excerpt"],
+                condition=~models.Q(log_excerpt=""),
+                name="submission_excerpt_idx",
+            )
+        ]
 
     def __str__(self) -> str:
         return f"submission {self.hash[:12]} ({self.file_name})"
@@ -270,6 +279,7 @@ class Artifact(models.Model):
                 name="artifact_refresh_due_idx",
             ),
             models.Index(fields=["source", "state"], name="artifact_source_state_idx"),
+            models.Index(fields=["sha256"], name="artifact_sha256_idx"),  # gc_blobs
         ]
 
     def __str__(self) -> str:
@@ -296,6 +306,7 @@ class ArtifactText(models.Model):
 
     class Meta:
         db_table = "artifact_texts"
+        indexes = [models.Index(fields=["sha256"], name="artifact_text_sha256_idx")]  # gc_blobs
 
     def __str__(self) -> str:
         return f"text of artifact {self.artifact_id} ({self.sha256[:12]})"
