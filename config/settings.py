@@ -313,6 +313,9 @@ HOLDFAST_RETAIN_SUCCEEDED = env_duration("HOLDFAST_RETAIN_SUCCEEDED", "14d")
 HOLDFAST_RETAIN_CANCELLED = env_duration("HOLDFAST_RETAIN_CANCELLED", "14d")
 HOLDFAST_RETAIN_DEAD = env_duration("HOLDFAST_RETAIN_DEAD", "90d")
 HOLDFAST_RETENTION_SECONDS = env_number("HOLDFAST_RETENTION_SECONDS", 600)  # between passes
+# Resolved reconciliation issues are deleted this long after they were resolved ("off":
+# kept); open ones never are.
+HOLDFAST_RETAIN_RESOLVED_ISSUES = env_duration("HOLDFAST_RETAIN_RESOLVED_ISSUES", "180d")
 # How often the built-in refresh job asks each registered refresher for due refreshes.
 HOLDFAST_REFRESH_SECONDS = env_number("HOLDFAST_REFRESH_SECONDS", 300)
 # Polite HTTP for sources and artifacts (ingestion/http.py, docs/sources.md).

@@ -12,6 +12,7 @@ class IngestionConfig(AppConfig):
         # jobs never imports ingestion (DESIGN): the spool's backlog joins queue_status here.
         from jobs.status import register_section
 
+        from . import reconciliation  # noqa: F401  (registers its retention pruner)
         from .spool import Spool
 
         register_section("spool", lambda: Spool.from_settings().backlog(), render_spool)

@@ -35,7 +35,15 @@ class ReconciliationIssue(models.Model):
     comment = models.TextField(blank=True, default="")
 
     class Meta:
-        indexes = [models.Index(fields=["status", "kind", "source"], name="issue_filter_idx")]
+        indexes = [
+            models.Index(fields=["status", "kind", "source"], name="issue_filter_idx"),
+            # Retention's oldest resolved issues first (reconciliation.prune_resolved).
+            models.Index(
+                fields=["resolved_at"],
+                condition=models.Q(status="resolved"),
+                name="issue_resolved_idx",
+            ),
+        ]
         constraints = [
             # One open issue per condition (``record_unless_open``), also when two
             # processes record it at once. Not for quarantined submissions: the same file

@@ -5,12 +5,14 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+from django.conf import settings
 from django.db import IntegrityError, transaction
 from django.db.models import QuerySet
 from django.db.models.functions import Now
 
 from jobs.exceptions import HoldfastError, InvalidJob, StateConflict
 from jobs.log import get_logger
+from jobs.retention import pruner
 from jobs.serialization import timestamp
 
 from .models import IssueKind, IssueStatus, ReconciliationIssue, Source
@@ -160,3 +162,29 @@ def issue_dict(issue: ReconciliationIssue) -> dict[str, Any]:
         "resolved_by": issue.resolved_by or None,
         "comment": issue.comment or None,
     }
+
+
+@pruner("resolved_issues")
+def prune_resolved(batch: int) -> int:
+    """One batch of the issues resolved longer ago than ``HOLDFAST_RETAIN_RESOLVED_ISSUES``
+    (``None``: kept forever), oldest first, through ``issue_resolved_idx``; open issues are
+    never touched. Run by every scheduler's retention pass (``jobs.retention``): resolved
+    issues piled up for ever, and every metrics scrape counted them all."""
+    kept = settings.HOLDFAST_RETAIN_RESOLVED_ISSUES
+    if kept is None:
+        return 0
+    with transaction.atomic():
+        ids = list(
+            ReconciliationIssue.objects.filter(
+                status=IssueStatus.RESOLVED, resolved_at__lt=Now() - kept
+            )
+            .select_for_update(skip_locked=True)
+            .order_by("resolved_at")
+            .values_list("pk", flat=True)[:batch]
+        )
+        if not ids:
+            return 0
+        deleted, _ = ReconciliationIssue.objects.filter(
+            pk__in=ids, status=IssueStatus.RESOLVED
+        ).delete()
+    return deleted

@@ -106,6 +106,43 @@ def signals_held() -> Iterator[None]:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
+#: ``func(batch) -> deleted``: one batch of an app's own expired rows, deleted in its own
+#: transaction; 0 when none is left. Registered with :func:`pruner`.
+Pruner = Callable[[int], int]
+_pruners: dict[str, Pruner] = {}
+
+
+def pruner(name: str) -> Callable[[Pruner], Pruner]:
+    """Register ``func`` as the pruner called ``name``: every scheduler's retention pass
+    runs it, in batches as the jobs' own, so an app's history (resolved reconciliation
+    issues, say) keeps a bounded size without a job of its own."""
+
+    def register(func: Pruner) -> Pruner:
+        _pruners[name] = func
+        return func
+
+    return register
+
+
+def prune_registered(
+    *, batch: int = BATCH, max_batches: int, between: Callable[[], None] | None = None
+) -> dict[str, int]:
+    """Run each registered pruner until it deletes nothing or ``max_batches``; returns the
+    rows deleted per pruner."""
+    found: dict[str, int] = {}
+    for name in sorted(_pruners):
+        found[name] = 0
+        for _ in range(max_batches):
+            with signals_held():
+                deleted = _pruners[name](batch)
+                found[name] += deleted
+            if between is not None:
+                between()
+            if deleted < batch:
+                break
+    return found
+
+
 class Retention:
     """The scheduler's retention pass, run at most every ``HOLDFAST_RETENTION_SECONDS``
     (sooner while a pass left rows behind)."""
@@ -118,7 +155,10 @@ class Retention:
             return
         rules = configured()
         deleted = prune(rules, max_batches=SCHEDULED_BATCHES, between=between) if rules else {}
-        left_behind = any(n >= SCHEDULED_BATCHES * BATCH for n in deleted.values())
+        others = prune_registered(max_batches=SCHEDULED_BATCHES, between=between)
+        left_behind = any(
+            n >= SCHEDULED_BATCHES * BATCH for n in (*deleted.values(), *others.values())
+        )
         self.next_at = now + (0.0 if left_behind else float(settings.HOLDFAST_RETENTION_SECONDS))
         if any(deleted.values()):
             log.info(
@@ -126,3 +166,6 @@ class Retention:
                 deleted=deleted,
                 kept_s={state: after.total_seconds() for state, after in rules.items()},
             )
+        for name, count in others.items():
+            if count:
+                log.info("retention_pruned", pruner=name, deleted=count)

@@ -158,6 +158,38 @@ def test_retention_goes_in_batches_and_the_scheduler_comes_back_for_the_rest(set
     assert not Job.objects.exists()
 
 
+def test_retention_deletes_issues_resolved_long_ago_and_never_open_ones(settings):
+    """Resolved reconciliation issues piled up for ever, and every metrics scrape counted
+    them all (63-127 ms at 200,000). The scheduler's retention pass now deletes those
+    resolved longer ago than HOLDFAST_RETAIN_RESOLVED_ISSUES, in batches."""
+    settings.HOLDFAST_RETAIN_RESOLVED_ISSUES = timedelta(days=30)
+    old_open = reconciliation.record("quarantined_submission", "open.json", details={})
+    long_ago = [
+        reconciliation.record("quarantined_submission", f"old-{n}.json", details={})
+        for n in range(3)
+    ]
+    lately = reconciliation.record("quarantined_submission", "lately.json", details={})
+    for issue in (*long_ago, lately):
+        reconciliation.resolve(issue.pk, by="test")
+    ReconciliationIssue.objects.filter(pk__in=[i.pk for i in long_ago]).update(
+        resolved_at=timezone.now() - timedelta(days=31)
+    )
+    ReconciliationIssue.objects.filter(pk=old_open.pk).update(
+        created_at=timezone.now() - timedelta(days=400)
+    )
+    assert reconciliation.prune_resolved(2) == 2  # a batch
+    SchedulerLoop().run_once()  # the scheduler's retention pass takes the rest
+    assert set(ReconciliationIssue.objects.values_list("pk", flat=True)) == {
+        old_open.pk,
+        lately.pk,
+    }
+    settings.HOLDFAST_RETAIN_RESOLVED_ISSUES = None  # off
+    ReconciliationIssue.objects.filter(pk=lately.pk).update(
+        resolved_at=timezone.now() - timedelta(days=999)
+    )
+    assert reconciliation.prune_resolved(100) == 0
+
+
 def test_prune_refuses_active_states():
     with pytest.raises(ValueError, match="finished"):
         retention.prune({State.QUEUED: timedelta(days=1)})
