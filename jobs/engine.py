@@ -404,7 +404,7 @@ def reclaim_expired(
     and expiry against the database clock on each row it takes, so it never clobbers a job
     completed or renewed meanwhile, frees only the reclaimed lease's locks, and leaves
     ``run_at`` alone, so the job keeps its place in the queue. Each attempt it ends is
-    recorded as ``lease_expired``: its worker died or stopped responding during it.
+    recorded as ``lease_expired``: its worker died, stopped responding or lost the database during it.
     ``timeout_ms`` bounds the statement (PostgreSQL), e.g. on the lease keeper's
     connection, which must renew its own lease on time.
 

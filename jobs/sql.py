@@ -1005,7 +1005,7 @@ WITH expired AS (
                           || ' after its worker stopped renewing lease ' || job.lease_token
                           ELSE 'LeaseExpired: worker ' || COALESCE(expired.leased_by, '?')
                           || ' stopped renewing lease ' || job.lease_token
-                          || ': it died or stopped responding during attempt ' || job.attempts
+                          || ': it died, stopped responding or lost the database during attempt ' || job.attempts
                           END,
         cancel_requested = job.cancel_requested OR %(cancel)s,
         finished_at = CASE WHEN %(cancel)s OR job.attempts >= job.max_attempts
@@ -1025,7 +1025,7 @@ WITH expired AS (
            COALESCE(lease_expires_at, statement_timestamp()), statement_timestamp(),
            'lease_expired', 'LeaseExpired',
            'worker ' || COALESCE(leased_by, '?') || ' stopped renewing lease ' || lease_token
-           || ': it died or stopped responding during attempt ' || attempts,
+           || ': it died, stopped responding or lost the database during attempt ' || attempts,
            '', '{{}}'::jsonb, NULL, NULL
     FROM reclaimed
     ORDER BY id
@@ -1186,7 +1186,7 @@ def _sqlite_reclaim(limit: int, job_id: int | None, cancel: bool, actor: str) ->
             start, until = row[9:]  # the database's own text (no converter on an expression)
             account = (
                 f"worker {worker or '?'} stopped renewing lease {token}: "
-                f"it died or stopped responding during attempt {attempts}"
+                f"it died, stopped responding or lost the database during attempt {attempts}"
             )
             if cancel:
                 state, error = (

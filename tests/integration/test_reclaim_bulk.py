@@ -133,7 +133,7 @@ def test_ten_thousand_expired_leases_in_one_pass_beside_a_live_heartbeat():
     assert Lease.objects.filter(job_id__in=ids, outcome=Outcome.LEASE_EXPIRED).count() == EXPIRED
     lease = Lease.objects.get(job_id=ids[0])
     assert lease.error_class == "LeaseExpired" and lease.released_at is not None
-    assert "died or stopped responding during attempt 1" in lease.error_message
+    assert "died, stopped responding or lost the database during attempt 1" in lease.error_message
     # Each keeps its place in the queue: run_at unchanged, claimed in the old order.
     assert dict(Job.objects.filter(pk__in=ids[:100]).values_list("pk", "run_at")) == run_at
     newer = enqueueing.enqueue("test.noop", {"n": "enqueued after the crash"})
