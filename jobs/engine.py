@@ -404,7 +404,8 @@ def reclaim_expired(
     and expiry against the database clock on each row it takes, so it never clobbers a job
     completed or renewed meanwhile, frees only the reclaimed lease's locks, and leaves
     ``run_at`` alone, so the job keeps its place in the queue. Each attempt it ends is
-    recorded as ``lease_expired``: its worker died, stopped responding or lost the database during it.
+    recorded as ``lease_expired``: its worker died, stopped responding or lost the
+    database during it.
     ``timeout_ms`` bounds the statement (PostgreSQL), e.g. on the lease keeper's
     connection, which must renew its own lease on time.
 
@@ -423,7 +424,7 @@ def reclaim_expired(
     return [job.id for job in reclaimed]
 
 
-RECLAIM_HOLD_AFTER_OUTAGE = 45.0  # seconds: more than a settle's longest retry backoff (30)
+RECLAIM_HOLD_AFTER_OUTAGE = 30.0  # seconds after a reclaimer's last failed connection
 
 
 class ReclaimHold:
@@ -431,13 +432,14 @@ class ReclaimHold:
 
     Every lease that ran out while the server was down or refusing writes looks like a dead
     worker's once it is back, yet most belong to workers that are alive and reconnecting:
-    their lease keepers renew within a tick, and a handler that finished meanwhile settles
-    at its next retry (backed off up to 30 s). A reclaimer that came back first took those
-    jobs and ran them again, its own worker's included, and the finished result was
-    refused. So a reclaimer that lost its connection (``sql.fault``: "connection") leaves
-    expired leases alone for ``RECLAIM_HOLD_AFTER_OUTAGE`` seconds after the last failure;
-    a dead worker's job is reclaimed that much later. Other errors (a lock or statement
-    timeout, SQLite's "database is locked") hold nothing: the server was there.
+    their lease keepers renew at their next tick (also while the main thread waits to
+    settle a finished job), each after a connection attempt of up to ``connect_timeout``
+    (10 s). A reclaimer that came back first took those jobs and ran them again, its own
+    worker's included, and a finished result was refused. So a reclaimer that lost its
+    connection (``sql.fault``: "connection") leaves expired leases alone for
+    ``RECLAIM_HOLD_AFTER_OUTAGE`` seconds after its last failure; a dead worker's job is
+    reclaimed that much later after an outage. Other errors (a lock or statement timeout,
+    SQLite's "database is locked") hold nothing: the server was there.
     """
 
     def __init__(self) -> None:

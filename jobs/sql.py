@@ -1005,7 +1005,8 @@ WITH expired AS (
                           || ' after its worker stopped renewing lease ' || job.lease_token
                           ELSE 'LeaseExpired: worker ' || COALESCE(expired.leased_by, '?')
                           || ' stopped renewing lease ' || job.lease_token
-                          || ': it died, stopped responding or lost the database during attempt ' || job.attempts
+                          || ': it died, stopped responding or lost the database during attempt '
+                          || job.attempts
                           END,
         cancel_requested = job.cancel_requested OR %(cancel)s,
         finished_at = CASE WHEN %(cancel)s OR job.attempts >= job.max_attempts

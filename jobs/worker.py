@@ -205,7 +205,7 @@ class WorkerProcess:
             if job is None and self.burst and not self.stopping:
                 # Before leaving, recover what dead workers left behind and look once more.
                 with contextlib.suppress(GaveUp):
-                    self._with_db_retry(engine.reclaim_expired, give_up=lambda: self.stopping)
+                    self._with_db_retry(self._reclaim_unless_held, give_up=lambda: self.stopping)
                 job = self._claim()
                 if job is None:
                     return
@@ -613,6 +613,7 @@ class WorkerProcess:
             state.schedule_backoff = 0.5
         except DatabaseError as exc:
             if _retryable(exc):  # an outage, or a server refusing writes (a failover)
+                self._reclaim_hold.note(exc)
                 log.error(
                     "database_unavailable",
                     during="scheduler",
@@ -665,8 +666,18 @@ class WorkerProcess:
         sys.stderr.flush()
         os._exit(EXIT_KEEPER_DIED)
 
+    def _reclaim_unless_held(self) -> None:
+        """``--burst``'s last reclaim before it leaves, unless just back from an outage
+        (``engine.ReclaimHold``)."""
+        if not self._reclaim_hold.held():
+            engine.reclaim_expired()
+
     def _renew(self, ctx: JobContext) -> None:
-        if ctx.lease_lost or ctx.settling:
+        # Also while the main thread settles: a settle that waits out an outage (backing
+        # off up to 30 s) would otherwise let the lease run out under a finished job, and
+        # a reclaimer back first would run it again. The renewal is fenced; one that lands
+        # after the settle matches nothing and is ignored below.
+        if ctx.lease_lost:
             return
         try:
             ctx.heartbeat()
@@ -725,6 +736,7 @@ class WorkerProcess:
                     raise
                 event = "database_unavailable" if _retryable(exc) else "database_refused"
                 log.error(event, error=_one_line(exc), retry_in=delay)
+                self._reclaim_hold.note(exc)
                 connection.close()
                 self._after_outage = True
                 deadline = time.monotonic() + delay

@@ -19,7 +19,7 @@ from django.core.exceptions import (
     SuspiciousOperation,
     TooManyFieldsSent,
 )
-from django.db import DatabaseError
+from django.db import DatabaseError, connection
 from django.http import Http404, HttpRequest, JsonResponse, UnreadablePostError
 from rest_framework import exceptions, status
 from rest_framework.response import Response
@@ -41,8 +41,13 @@ DATABASE_UNAVAILABLE = "the database is unavailable; try again shortly"
 def database_down(exc: BaseException) -> bool:
     """The database cannot serve the request now (down, unreachable, restarting, refusing
     writes on a standby; SQLite locked past the busy timeout): a 503 to retry, never a
-    500."""
-    return isinstance(exc, DatabaseError) and sql.unavailable(exc)
+    500. The connection is closed then, so the next request opens a new one: the API keeps
+    its connections, and one left on a standby after a failover (whose ``SELECT 1``
+    health check passes) answered 503 until the process restarted."""
+    if not (isinstance(exc, DatabaseError) and sql.unavailable(exc)):
+        return False
+    connection.close()
+    return True
 
 
 class Conflict(exceptions.APIException):

@@ -62,19 +62,28 @@ class Interrupted(KeyboardInterrupt):
         self.signum = signum
 
 
+HOLDFAST_APPS = ("jobs", "ingestion", "ops")  # whose migrations this code's processes need
+
+
 def refuse_unmigrated() -> None:
-    """Exit 1, naming them, if the database lacks migrations this code has: a worker or
-    scheduler started before ``manage.py migrate`` met "no such column" on every step
-    and logged it as ``database_unavailable`` for ever, which reads like an outage. A
-    database that cannot answer is the process's to wait out, as before."""
+    """Exit 1, naming them, if the database lacks migrations of Holdfast's apps that this
+    code has: a worker or scheduler started before ``manage.py migrate`` met "no such
+    column" on every step and logged it as ``database_unavailable`` for ever, which reads
+    like an outage. Other apps' migrations (a host project's own, run after the deploy)
+    are not Holdfast's to require. A database that cannot answer is the process's to wait
+    out, as before."""
     from django.db import connection
+    from django.db.migrations.exceptions import MigrationSchemaMissing, NodeNotFoundError
     from django.db.migrations.executor import MigrationExecutor
 
     try:
         executor = MigrationExecutor(connection)
-        plan = executor.migration_plan(executor.loader.graph.leaf_nodes())
-    except DatabaseError:
+        targets = [node for node in executor.loader.graph.leaf_nodes() if node[0] in HOLDFAST_APPS]
+        plan = executor.migration_plan(targets)
+    except (DatabaseError, MigrationSchemaMissing):
         return
+    except NodeNotFoundError as exc:
+        raise failed(f"the migrations cannot be read: {exc}") from None
     if not plan:
         return
     by_app: dict[str, list[str]] = {}

@@ -157,8 +157,9 @@ def test_a_job_that_finished_during_an_outage_longer_than_its_lease_is_settled_o
     """The handler returns while the server is down, and the outage outlasts the lease.
     Back up, the other worker's (or its own worker's) lease keeper reconnected first and
     reclaimed the lease as a dead worker's: the job ran again, and the finished result
-    was refused (``lease_lost``). A reclaimer that lost its connection now leaves expired
-    leases alone for a while (``engine.ReclaimHold``): the live worker settles."""
+    was refused (``lease_lost``). Now the keeper renews while its settle waits, and a
+    reclaimer that lost its connection leaves expired leases alone for a while
+    (``engine.ReclaimHold``)."""
     env = cluster_env(cluster, tmp_path)
     probe = Probe(cluster.url("holdfast"))
     marker = tmp_path / "started"
@@ -166,11 +167,7 @@ def test_a_job_that_finished_during_an_outage_longer_than_its_lease_is_settled_o
         migrate = pool.command("migrate", "-v", "0", timeout=60)
         assert migrate.returncode == 0, migrate.describe()
         workers = [pool.start(f"w{i}") for i in (1, 2)]
-        pool.python(
-            "from jobs.enqueueing import enqueue\n"
-            f"enqueue('test.sleep', {{'seconds': 2, 'marker': {str(marker)!r}}},"
-            " lease_seconds=2, max_attempts=5)\n"
-        )
+        enqueue_sleep(pool, marker, seconds=2)
         wait_until(marker.exists, 20, interval=0.05, message=pool.describe)
         cluster.stop("fast")
         time.sleep(8)  # the handler returns, its lease runs out, the settle backs off (8 s)
@@ -180,13 +177,54 @@ def test_a_job_that_finished_during_an_outage_longer_than_its_lease_is_settled_o
             rows = probe.rows("SELECT lease_token, worker_id, outcome FROM jobs_lease")
             return f"attempts: {rows}\n{pool.describe()}"
 
-        wait_until(
-            lambda: probe.try_count("SELECT count(*) FROM jobs_job WHERE state = 'succeeded'") == 1,
-            60,
-            interval=0.2,
-            message=describe,
-        )
+        wait_until(lambda: succeeded_jobs(probe) == 1, 60, interval=0.2, message=describe)
         assert probe.rows("SELECT attempts, lease_token FROM jobs_job") == [(1, 1)], describe()
         assert probe.rows("SELECT outcome FROM jobs_lease") == [("succeeded",)], describe()
         assert all(worker.alive for worker in workers), pool.describe()
         assert not any(worker.events("lease_lost") for worker in workers), describe()
+
+
+def test_a_worker_killed_during_an_outage_has_its_job_reclaimed_after_the_hold(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """The other side of the hold: a job whose worker really died meanwhile is reclaimed
+    once the survivors' hold is over (``RECLAIM_HOLD_AFTER_OUTAGE`` after their last
+    failed connection), and runs again."""
+    env = cluster_env(cluster, tmp_path)
+    probe = Probe(cluster.url("holdfast"))
+    marker = tmp_path / "started"
+    with WorkerPool(env, tmp_path / "logs") as pool:
+        migrate = pool.command("migrate", "-v", "0", timeout=60)
+        assert migrate.returncode == 0, migrate.describe()
+        victim = pool.start("victim")
+        enqueue_sleep(pool, marker, seconds=3)
+        wait_until(marker.exists, 20, interval=0.05, message=pool.describe)
+        survivor = pool.start("survivor")
+        cluster.stop("fast")
+        victim.kill()
+        time.sleep(4)
+        cluster.start()
+        back = time.monotonic()
+
+        def describe() -> str:
+            rows = probe.rows("SELECT lease_token, worker_id, outcome FROM jobs_lease")
+            return f"attempts: {rows}\n{pool.describe()}"
+
+        wait_until(lambda: succeeded_jobs(probe) == 1, 90, interval=0.2, message=describe)
+        assert time.monotonic() - back < 30 + 5 + 3 + 20, describe()  # hold, reclaim, run
+        assert probe.rows("SELECT attempts, lease_token FROM jobs_job") == [(2, 2)], describe()
+        outcomes = probe.rows("SELECT worker_id, outcome FROM jobs_lease ORDER BY id")
+        assert outcomes == [("victim", "lease_expired"), ("survivor", "succeeded")], describe()
+        assert survivor.events("reclaims_held"), describe()
+
+
+def enqueue_sleep(pool: WorkerPool, marker: Path, seconds: float) -> None:
+    pool.python(
+        "from jobs.enqueueing import enqueue\n"
+        f"enqueue('test.sleep', {{'seconds': {seconds}, 'marker': {str(marker)!r}}},"
+        " lease_seconds=2, max_attempts=5)\n"
+    )
+
+
+def succeeded_jobs(probe: Probe) -> int:
+    return probe.try_count("SELECT count(*) FROM jobs_job WHERE state = 'succeeded'")
