@@ -75,6 +75,7 @@ RETRY_STATUSES = frozenset({408, 429})  # 4xx that say "later", not "never"
 # A Retry-After up to this is waited out by the retry (the source's next turn moves); a
 # longer one puts the fetch off (``deferred``): no worker sleeps for it.
 RETRY_AFTER_WAIT_MAX = 60.0
+DEFERRALS_BEFORE_ISSUE = 3  # long pauses asked for in a row before a fetch_failing issue
 IDS_PER_QUERY = 1000  # keeps ``pk IN (…)`` under SQLite's bound-parameter limit
 
 
@@ -155,13 +156,36 @@ def retry_later(
 def deferred(ctx: JobContext, artifact: Artifact, status: int, pause: float) -> dict[str, Any]:
     """A 429 or 503 asking for a long pause (``Retry-After``): the fetch is put off until
     then, as the site asked, instead of retried within minutes. Nothing is lost (the body
-    and its index entry stay); the refresher enqueues it once due. The job succeeds."""
+    and its index entry stay); the refresher enqueues it once due. The job succeeds.
+
+    A deferral counts as a failing fetch (``failures``): a site that asks for a pause every
+    time (up to a day each) was deferred for ever with nothing to show for it; from the
+    :data:`DEFERRALS_BEFORE_ISSUE`-th in a row a ``fetch_failing`` issue says so, resolved
+    by the next fetch that succeeds."""
     reason = f"HTTP {status}: the site asked for a pause of {pause:g} s (Retry-After)"
     result = outcome(artifact, "deferred", status, retry_after=pause)
     with ctx.atomic(complete=True, result=result):
+        current = locked(artifact.pk)
+        failures = current.failures + 1
         retry_at = db_now() + timedelta(seconds=pause)
-        Artifact.objects.filter(pk=artifact.pk).update(refresh_after=retry_at, last_error=reason)
+        Artifact.objects.filter(pk=current.pk).update(
+            failures=failures, refresh_after=retry_at, last_error=reason
+        )
         result["retry_at"] = timestamp(retry_at)
+        if failures >= DEFERRALS_BEFORE_ISSUE:
+            record_unless_open(
+                IssueKind.FETCH_FAILING,
+                current.url,
+                current.source.name,
+                issue_details(
+                    ctx,
+                    current,
+                    http_status=status,
+                    reason=f"{reason}, {failures} times in a row",
+                    deferrals=failures,
+                    kept_sha256=current.sha256 or None,
+                ),
+            )
     log.warning(
         "artifact_fetch_deferred", artifact_id=artifact.pk, source=artifact.source.name, **result
     )

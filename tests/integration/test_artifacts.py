@@ -300,6 +300,26 @@ def test_a_long_retry_after_puts_the_fetch_off_until_then(site, source, run_work
     assert artifact.state == "discovered" and not ReconciliationIssue.objects.exists()
 
 
+def test_a_site_that_asks_for_a_pause_every_time_gets_an_issue(site, source, run_worker):
+    """Each long Retry-After put the fetch off a day at most, for ever, and nothing said
+    so. From the third in a row a fetch_failing issue does; a fetch that succeeds ends
+    the count and resolves it."""
+    site.replies["/busy"] = (503, "text/plain", b"busy\n", {"Retry-After": "86400"})
+    artifact = artifact_at(source, "/busy")
+    for deferrals in (1, 2, 3, 4):
+        assert fetch(run_worker, artifact).result["outcome"] == "deferred"
+        assert artifact.failures == deferrals
+        issues = issues_of(artifact, IssueKind.FETCH_FAILING)
+        assert len(issues) == (0 if deferrals < 3 else 1)
+    [issue] = issues
+    assert "Retry-After" in issue.details["reason"] and issue.details["deferrals"] == 3
+    site.replies["/busy"] = (200, "text/plain", b"back\n", {})
+    assert fetch(run_worker, artifact).result["outcome"] != "deferred"
+    assert artifact.failures == 0
+    issue.refresh_from_db()
+    assert issue.status == "resolved"
+
+
 def test_a_short_retry_after_holds_the_sources_next_request(site, source, run_worker):
     site.replies["/busy"] = (429, "text/plain", b"busy\n", {"Retry-After": "30"})
     artifact = artifact_at(source, "/busy")
