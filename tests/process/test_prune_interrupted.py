@@ -47,6 +47,12 @@ def fill_finished_jobs(n: int) -> None:
     counts.recount()
 
 
+def interruptible() -> None:
+    """Runs in the child before exec: a shell's background job (``cmd &``, as CI scripts start
+    suites) inherits SIGINT ignored, and Python keeps it ignored, so Ctrl-C is put back."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
 def test_an_interrupted_prune_says_what_it_deleted(worker_env, signum):
     fill_finished_jobs(TOTAL)
@@ -58,6 +64,7 @@ def test_an_interrupted_prune_says_what_it_deleted(worker_env, signum):
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        preexec_fn=interruptible,
     )
     deadline = time.monotonic() + 60
     while Job.objects.count() == TOTAL and time.monotonic() < deadline:
