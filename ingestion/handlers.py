@@ -20,11 +20,17 @@ def ingest_spool(ctx: JobContext, *, spool: str | None = None) -> dict[str, Any]
     """Drain the spool once, in this process, by the same rules as ``ingest_submissions``.
 
     Stuck work (the database refusing every batch) raises, so the job retries with backoff
-    and ends up dead, visible to operators, with every file still in the spool.
+    and ends up dead, visible to operators, with every file still in the spool. A cancel
+    request or a lost lease stops the drain at its next file: once the lease is gone the
+    job runs again elsewhere, and two drains of one spool would race for every file.
     """
     root = Spool.from_settings(spool)
     stuck_after = float(getattr(settings, "HOLDFAST_SPOOL_STUCK_SECONDS", 300))
-    progress = drain(root, stuck_after=stuck_after, should_stop=lambda: ctx.cancel_requested)
+    progress = drain(
+        root,
+        stuck_after=stuck_after,
+        should_stop=lambda: ctx.cancel_requested or ctx.lease_lost,
+    )
     return progress.as_dict(pending=len(root.pending()))
 
 

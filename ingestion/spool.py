@@ -66,6 +66,7 @@ from .sql import (
     find_issues,
     insert_acks,
     open_issue,
+    serialize_issue,
     upsert_facts,
 )
 from .submissions import MAX_ERROR_CHARS, InvalidSubmission, Limits, Submission, parse
@@ -646,6 +647,7 @@ def quarantine_issue(entry: Entry, using: str) -> int:
     own connection.
     """
     kind = IssueKind.QUARANTINED_SUBMISSION
+    serialize_issue(f"{kind}:{entry.hash or printable(entry.name)}", using)
     earlier = find_issues(kind, entry.hash, using)
     identity = entry.identity
     read_as = f"{identity.dev}:{identity.ino}:{identity.ctime_ns}"
@@ -865,7 +867,11 @@ def quarantine(
         # again: a file renamed over the name since the first look (a corrected
         # submission) is put back, never quarantined under the old file's reason.
         claim = claim_path(target)
-        os.rename(entry.name, claim, src_dir_fd=directory)
+        try:
+            os.rename(entry.name, claim, src_dir_fd=directory)
+        except FileNotFoundError:
+            _gone_meanwhile(target, reason_path)
+            return None
         if not same_content(os.lstat(claim), entry.identity):
             put_back(claim, directory, entry.name)
             with contextlib.suppress(FileNotFoundError):
@@ -877,6 +883,15 @@ def quarantine(
     finally:
         if incoming is None:
             os.close(directory)
+
+
+def _gone_meanwhile(target: Path, reason_path: Path) -> None:
+    """The file left ``incoming/`` between the look and the move: taken by another
+    ingester of this spool (its claim or its move is there, with this same reason) or
+    deleted by its producer (then the reason just written is nobody's)."""
+    if not os.path.lexists(claim_path(target)) and not os.path.lexists(target):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(reason_path)
 
 
 CLAIM_SUFFIX = ".claim"  # shorter than REASON_SUFFIX: a claim's name is never too long

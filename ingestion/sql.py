@@ -239,6 +239,14 @@ def find_issues(
     ]
 
 
+def serialize_issue(key: str, using: str) -> None:
+    """Until the caller's transaction ends, be the only one deciding on an issue of
+    ``key``: two ingesters of one spool, each finding no issue, opened one each.
+    (SQLite's write lock, taken at BEGIN IMMEDIATE, already serializes the deciders.)"""
+    if _postgres(using):
+        execute(using, "SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))", [key])
+
+
 def open_issue(kind: str, subject: str, details: dict[str, Any], using: str) -> int:
     """Insert an open issue inside the caller's transaction; its id."""
     statement = POSTGRES_OPEN_ISSUE if _postgres(using) else SQLITE_OPEN_ISSUE

@@ -12,12 +12,14 @@ import time
 from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 from django.db import OperationalError
 
 from ingestion import blobs, spool
+from ingestion.handlers import ingest_spool
 from ingestion.models import Fact, IngestedSubmission, Lab, ReconciliationIssue
 from ingestion.spool import Overdue, Spool, Stuck, Writer, apply_batch, drain, read_entry
 from ingestion.submissions import MIB, Limits
@@ -759,6 +761,20 @@ def test_the_ingest_spool_job_drains_the_spool(
     assert job.result["applied"] == 1
     assert job.result["quarantined"] == 1
     assert incoming(the_spool) == []
+
+
+def test_the_ingest_spool_job_stops_when_its_lease_is_lost(
+    db: None, the_spool: Spool, drop: Drop
+) -> None:
+    """A drain whose lease is gone stops at once and leaves the files to the job's next
+    holder: two ingesters on one spool raced for every file (duplicate quarantine issues,
+    false ``spool_finish_failed`` errors) and the lost one drained on to the end."""
+    drop("a.json", submission())
+    lost = SimpleNamespace(cancel_requested=False, lease_lost=True)
+    result = ingest_spool(lost, spool=str(the_spool.root))  # type: ignore[arg-type]
+    assert result["applied"] == 0
+    assert result["pending"] == 1
+    assert incoming(the_spool) == ["a.json"]
 
 
 def test_a_reason_left_by_a_crash_before_the_move_is_rewritten_not_orphaned(

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from django.db import connection, connections
+from django.db import connection, connections, transaction
 from structlog.testing import capture_logs
 
 from ingestion import spool
@@ -797,3 +797,89 @@ def test_the_longest_identity_the_limits_allow_is_stored_on_both_databases(
     progress = drain(the_spool, stuck_after=15)
     assert (progress.applied, progress.quarantined) == (1, 0)
     assert Fact.objects.get().key == "\U00010000" * 450
+
+
+# --- two ingesters of one spool (the ingester and the spool-sweep job) -------------------
+
+
+def _quarantine_during_the_move(
+    the_spool: Spool, meanwhile: Callable[[spool.Entry], None]
+) -> Path | None:
+    """Quarantine ``bad.json``, running ``meanwhile`` between its reason's write and the move."""
+    entry = read_entry(the_spool, "bad.json", Limits())
+    assert entry is not None
+    real_write = spool.blobs.write_durably
+    ran: list[bool] = []
+
+    def write_then_meanwhile(path: Path, data: bytes) -> None:
+        real_write(path, data)
+        if not ran:
+            ran.append(True)
+            meanwhile(entry)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(spool.blobs, "write_durably", write_then_meanwhile)
+        return spool.quarantine(the_spool, entry, 7)
+
+
+def test_a_file_another_ingester_quarantined_meanwhile_is_left_to_it(
+    the_spool: Spool, drop: Drop
+) -> None:
+    """The slower of two moves found the file gone: it raised, logged a false
+    ``spool_finish_failed`` error and retried a file already in failed/ (audit)."""
+    drop("bad.json", b"not json")
+    moved: list[Path | None] = []
+    assert _quarantine_during_the_move(
+        the_spool, lambda entry: moved.append(spool.quarantine(the_spool, entry, 7))
+    ) is None  # fmt: skip
+    assert moved == [the_spool.failed / "bad.json"]
+    assert sorted(p.name for p in the_spool.failed.iterdir()) == [
+        "bad.json",
+        "bad.json.reason.json",
+    ]
+    assert reason(the_spool, "bad.json")["issue_id"] == 7
+
+
+def test_a_file_its_producer_deleted_before_the_move_leaves_no_reason(
+    the_spool: Spool, drop: Drop
+) -> None:
+    drop("bad.json", b"not json")
+    gone = _quarantine_during_the_move(
+        the_spool, lambda entry: (the_spool.incoming / "bad.json").unlink()
+    )
+    assert gone is None
+    assert list(the_spool.failed.iterdir()) == []
+
+
+def test_two_ingesters_quarantining_one_file_open_one_issue(
+    transactional_db: None, the_spool: Spool, drop: Drop
+) -> None:
+    """Each found no issue and opened its own: the file had two open issues (audit)."""
+    drop("bad.json", b"not json")
+    entry = read_entry(the_spool, "bad.json", Limits())
+    assert entry is not None
+    first_opened, release = threading.Event(), threading.Event()
+    issues: dict[str, int] = {}
+
+    def decide(name: str, hold: bool) -> None:
+        try:
+            with transaction.atomic():
+                issues[name] = spool.quarantine_issue(entry, "default")
+                if hold:  # commit only once the other ingester is deciding too
+                    first_opened.set()
+                    release.wait(10)
+        finally:
+            connection.close()
+
+    first = threading.Thread(target=decide, args=("first", True))
+    second = threading.Thread(target=decide, args=("second", False))
+    first.start()
+    assert first_opened.wait(10)
+    second.start()
+    second.join(0.5)
+    assert second.is_alive()  # waits for the first ingester's decision to commit
+    release.set()
+    first.join(10)
+    second.join(10)
+    assert issues["first"] == issues["second"]
+    assert ReconciliationIssue.objects.count() == 1
