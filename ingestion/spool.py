@@ -649,14 +649,12 @@ def quarantine_issue(entry: Entry, using: str) -> int:
     kind = IssueKind.QUARANTINED_SUBMISSION
     serialize_issue(f"{kind}:{entry.hash or printable(entry.name)}", using)
     earlier = find_issues(kind, entry.hash, using)
-    identity = entry.identity
-    read_as = f"{identity.dev}:{identity.ino}:{identity.ctime_ns}"
-    for issue_id, subject, status, seen_as in earlier:
-        if subject == printable(entry.name) and status == "open" and seen_as in (read_as, None):
-            return issue_id  # (None: an issue opened before read_as was recorded)
+    issue_id = _open_one(earlier, entry)
+    if issue_id is not None:
+        return issue_id
     details: dict[str, Any] = {
         "hash": entry.hash,
-        "read_as": read_as,
+        "read_as": _read_as(entry),
         "stage": entry.stage,
         "error": entry.error,
         "errors": entry.errors,
@@ -680,6 +678,25 @@ def quarantine_issue(entry: Entry, using: str) -> int:
             previous_issues=previous,
         )
     return issue_id
+
+
+def its_open_issue(entry: Entry, using: str) -> int | None:
+    """The open quarantine issue of the very same file, if one was committed: its
+    quarantine was decided and only the move is left (see :func:`quarantine_issue`)."""
+    return _open_one(find_issues(IssueKind.QUARANTINED_SUBMISSION, entry.hash, using), entry)
+
+
+def _read_as(entry: Entry) -> str:
+    identity = entry.identity
+    return f"{identity.dev}:{identity.ino}:{identity.ctime_ns}"
+
+
+def _open_one(issues: list[tuple[int, str, str, str | None]], entry: Entry) -> int | None:
+    read_as = _read_as(entry)
+    for issue_id, subject, status, seen_as in issues:
+        if subject == printable(entry.name) and status == "open" and seen_as in (read_as, None):
+            return issue_id  # (None: an issue opened before read_as was recorded)
+    return None
 
 
 # --- finishing files after the commit -------------------------------------------------
@@ -1129,12 +1146,17 @@ class Writer:
             self._finish(entries, result)
         if not split.suspects:
             return
-        witnessed = any(result.applied for _, result in split.committed)
-        if not witnessed:
+        suspects = split.suspects
+        if not any(result.applied for _, result in split.committed):
             # The file failed alone, but no other submission committed: the database may
             # refuse every file (a trigger, a constraint, a changed column). Not its fault
-            # yet: it is tried again with the next files.
-            for entry, exc in split.suspects:
+            # yet: it is tried again with the next files. Unless its quarantine was
+            # decided before (its issue is open) and only the move failed: then it waits,
+            # backing off, for failed/ to take it, and says why, across restarts too.
+            decided = self._decided([entry for entry, _ in suspects])
+            for entry, exc in suspects:
+                if entry.name in decided:
+                    continue
                 self.last_error = describe(exc)
                 log.warning(
                     "spool_refused_alone_unconfirmed",
@@ -1142,7 +1164,9 @@ class Writer:
                     error=self.last_error,
                 )
                 self.report(entry.name, RETRY, self.last_error, FLUSH_RETRY.delay(1))
-            return
+            suspects = [(e, exc) for e, exc in suspects if e.name in decided]
+            if not suspects:
+                return
         refused = [
             Entry(
                 entry.name,
@@ -1154,7 +1178,7 @@ class Writer:
                 error_count=1,
                 size=entry.size,
             )
-            for entry, exc in split.suspects
+            for entry, exc in suspects
         ]
         try:
             result = apply_batch(refused, self.database, self.deadline())
@@ -1164,6 +1188,15 @@ class Writer:
                 self.report(entry.name, RETRY, describe(exc), FLUSH_RETRY.delay(1))
             return
         self._finish(refused, result)
+
+    def _decided(self, entries: list[Entry]) -> set[str]:
+        """The names among ``entries`` whose quarantine issue is open (none when the
+        database cannot say: they are tried again like any unconfirmed refusal)."""
+        try:
+            return {entry.name for entry in entries if its_open_issue(entry, self.database)}
+        except DatabaseError:
+            self._rolled_back()
+            return set()
 
     def _failed(self, exc: DatabaseError) -> None:
         self.failures += 1

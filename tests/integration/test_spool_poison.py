@@ -289,6 +289,38 @@ def test_a_file_refused_alone_with_nothing_else_to_compare_stays(
     assert names(the_spool.failed) == ["refused.json", "refused.json.reason.json"]
 
 
+def test_a_refused_file_that_cannot_be_moved_waits_for_the_move_not_the_database(
+    db: None, the_spool: Spool, drop: Drop, refused_by_the_database: bytes
+) -> None:
+    """Its issue committed, the move refused (failed/ not writable): the file was then
+    refused alone with nothing to compare, so "unconfirmed", and tried again at the
+    database every 0.2 s for ever, the stuck reason naming the refusal, not the move
+    (audit). Its committed issue confirms it: it waits, backing off, for the move."""
+    goods(drop, 2)
+    drop("refused.json", refused_by_the_database)
+    real = spool.blobs.write_durably
+    moves = 0
+
+    def refuse(target: Path, data: bytes) -> None:
+        nonlocal moves
+        moves += 1
+        raise PermissionError(13, "Permission denied", str(target))
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(spool.blobs, "write_durably", refuse)
+        with pytest.raises(Stuck) as stuck:
+            drain(the_spool, limits=RELAXED, stuck_after=2.5)
+    assert "refused.json: cannot move it to failed/" in str(stuck.value)
+    assert "Permission denied" in str(stuck.value)
+    assert 2 <= moves <= 7, moves  # backed off: 0.2 s, 0.4 s, 0.8 s, ...
+    assert names(the_spool.incoming) == ["refused.json"]
+    progress = drain(the_spool, limits=RELAXED, stuck_after=20)
+    assert progress.quarantined == 1
+    assert names(the_spool.failed) == ["refused.json", "refused.json.reason.json"]
+    assert ReconciliationIssue.objects.count() == 1  # the same file: its issue reused
+    assert real is spool.blobs.write_durably
+
+
 @pytest.fixture
 def every_fact_refused() -> Iterator[str]:
     """The database refuses every file with a data exception: a trigger on PostgreSQL
