@@ -4,7 +4,6 @@ continuations, upserts that repeat harmlessly, failures, and resuming an interru
 from __future__ import annotations
 
 import gzip
-import threading
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import nullcontext
@@ -12,7 +11,6 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 
 import pytest
-from django.db import connection, transaction
 from structlog.testing import capture_logs
 
 from demo.site import FixtureSite, w3c
@@ -26,6 +24,7 @@ from jobs import engine, enqueueing, scheduler
 from jobs.exceptions import LaneFull
 from jobs.models import Job, State
 from jobs.registry import autodiscover
+from tests.support.races import decided_in_turn
 
 BASE = "https://example.org"
 
@@ -582,32 +581,10 @@ def test_a_scheduled_discovery_gives_way_to_a_manual_one(site, hooks, run_worker
 def test_a_start_that_lost_the_race_does_not_report_a_new_job(site, hooks, transactional_db):
     add_source("docs", "sitemap", site.url("/sitemap.xml"), spacing=0, allow_private=True)
     source = Source.objects.get(name="docs")
-    first_enqueued, release = threading.Event(), threading.Event()
-    answers: dict[str, tuple[Job | None, str]] = {}
-
-    def start(name: str, hold: bool) -> None:
-        try:
-            with transaction.atomic():
-                answers[name] = start_discovery(source)
-                if hold:  # commit only once the other start is under way
-                    first_enqueued.set()
-                    release.wait(10)
-        finally:
-            connection.close()
-
-    first = threading.Thread(target=start, args=("first", True))
-    second = threading.Thread(target=start, args=("second", False))
-    first.start()
-    assert first_enqueued.wait(10)
-    second.start()
-    second.join(0.5)
-    assert second.is_alive()  # waits for the first start to commit
-    release.set()
-    first.join(10)
-    second.join(10)
-    job, _ = answers["first"]
+    first, second = decided_in_turn(lambda: start_discovery(source))
+    job, _ = first
     assert job is not None
-    assert answers["second"] == (
+    assert second == (
         None,
         f"discovery of 'docs' is already queued (job {job.pk}); nothing enqueued",
     )

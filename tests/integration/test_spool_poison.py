@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from django.db import connection, connections, transaction
+from django.db import connection, connections
 from structlog.testing import capture_logs
 
 from ingestion import spool
@@ -30,6 +30,7 @@ from ingestion.reconciliation import resolve
 from ingestion.spool import Monitor, NotYet, Spool, Stuck, Writer, drain, read_entry
 from ingestion.submissions import MAX_ERRORS, Limits, parse
 from tests.conftest import on_postgres
+from tests.support.races import decided_in_turn
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -890,28 +891,6 @@ def test_two_ingesters_quarantining_one_file_open_one_issue(
     drop("bad.json", b"not json")
     entry = read_entry(the_spool, "bad.json", Limits())
     assert entry is not None
-    first_opened, release = threading.Event(), threading.Event()
-    issues: dict[str, int] = {}
-
-    def decide(name: str, hold: bool) -> None:
-        try:
-            with transaction.atomic():
-                issues[name] = spool.quarantine_issue(entry, "default")
-                if hold:  # commit only once the other ingester is deciding too
-                    first_opened.set()
-                    release.wait(10)
-        finally:
-            connection.close()
-
-    first = threading.Thread(target=decide, args=("first", True))
-    second = threading.Thread(target=decide, args=("second", False))
-    first.start()
-    assert first_opened.wait(10)
-    second.start()
-    second.join(0.5)
-    assert second.is_alive()  # waits for the first ingester's decision to commit
-    release.set()
-    first.join(10)
-    second.join(10)
-    assert issues["first"] == issues["second"]
+    first, second = decided_in_turn(lambda: spool.quarantine_issue(entry, "default"))
+    assert first == second
     assert ReconciliationIssue.objects.count() == 1
