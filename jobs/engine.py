@@ -14,7 +14,7 @@ import json
 import logging
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -187,6 +187,34 @@ CANCELLED = Verdict(
     "job_cancelled",
     {},
 )
+
+
+# A cancel requested while an earlier attempt ran, which that attempt's settle did not see
+# (it was decided a moment before): the job is not run again.
+CANCELLED_BEFORE_RUN = Verdict(
+    Settlement(
+        State.CANCELLED,
+        Outcome.CANCELLED,
+        uncharge=True,
+        last_error="cancelled on request, made while an earlier attempt ran: not run again",
+    ),
+    "job_cancelled",
+    {"before_run": True},
+)
+
+
+def cancelled_on_request(verdict: Verdict) -> Verdict:
+    """``verdict`` (a retry, a dead job, a release) of an attempt that ended without
+    success after a cancel was requested: the job ends ``cancelled`` as the operator asked,
+    instead of running again. The attempt keeps its own outcome and error on its lease row,
+    and ``last_error`` says why it ended."""
+    how = verdict.how
+    reason = how.last_error or (
+        f"{how.error_class}: {how.error_message}" if how.error_class else "given back at shutdown"
+    )
+    text = storable(f"cancelled on request; its attempt ended without stopping: {reason}")
+    how = replace(how, state=State.CANCELLED, delay=0.0, last_error=text[:MAX_ERROR_MESSAGE])
+    return Verdict(how, "job_cancelled", {"after": verdict.event, "error": reason})
 
 
 def cancelled_by_handler(reason: str) -> Verdict:
@@ -459,6 +487,9 @@ class ReclaimHold:
 
 
 def _log_reclaimed(reclaimed: Sequence[sql.Reclaimed]) -> None:
+    """One warning per reclaimed lease, and the error-level ``job_dead`` an operator
+    alerts on for each job it left dead, as a failed last attempt gets (one line per
+    pass above 100 jobs)."""
     if len(reclaimed) > 100:  # one line per pass, not per job
         states = {state: sum(job.state == state for job in reclaimed) for state in State}
         log.warning(
@@ -466,18 +497,25 @@ def _log_reclaimed(reclaimed: Sequence[sql.Reclaimed]) -> None:
             count=len(reclaimed),
             **{state: n for state, n in states.items() if n},
         )
+        if states[State.DEAD]:
+            log.error("jobs_dead", count=states[State.DEAD], reason="lease_expired")
         return
     for job in reclaimed:
-        log.warning(
-            "lease_reclaimed",
-            job_id=job.id,
-            kind=job.kind,
-            lane=job.lane,
-            attempt=job.attempt,
-            lease_token=job.lease_token,
-            worker_id=job.worker_id,
-            new_state=job.state,
-        )
+        identity = {
+            "job_id": job.id,
+            "kind": job.kind,
+            "lane": job.lane,
+            "attempt": job.attempt,
+            "lease_token": job.lease_token,
+            "worker_id": job.worker_id,
+        }
+        log.warning("lease_reclaimed", **identity, new_state=job.state)
+        if job.state == State.DEAD:
+            error = (
+                f"LeaseExpired: worker {job.worker_id or '?'} stopped renewing lease "
+                f"{job.lease_token} during attempt {job.attempt}, its last"
+            )
+            log.error("job_dead", **identity, reason="lease_expired", error=error)
 
 
 def release_orphans(worker_id: str, keep: int | None = None) -> list[int]:

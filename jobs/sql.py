@@ -999,17 +999,22 @@ WITH expired AS (
     FOR UPDATE SKIP LOCKED
 ), reclaimed AS (
     UPDATE jobs_job AS job SET
-        state = CASE WHEN %(cancel)s THEN 'cancelled'
+        state = CASE WHEN %(cancel)s OR job.cancel_requested THEN 'cancelled'
                      WHEN job.attempts >= job.max_attempts THEN 'dead' ELSE 'queued' END,
         last_error = CASE WHEN %(cancel)s THEN 'cancelled by ' || %(actor)s::text
                           || ' after its worker stopped renewing lease ' || job.lease_token
+                          WHEN job.cancel_requested
+                          THEN 'cancelled on request: worker ' || COALESCE(expired.leased_by, '?')
+                          || ' stopped renewing lease ' || job.lease_token
+                          || ' before it stopped the job'
                           ELSE 'LeaseExpired: worker ' || COALESCE(expired.leased_by, '?')
                           || ' stopped renewing lease ' || job.lease_token
                           || ': it died, stopped responding or lost the database during attempt '
                           || job.attempts
                           END,
         cancel_requested = job.cancel_requested OR %(cancel)s,
-        finished_at = CASE WHEN %(cancel)s OR job.attempts >= job.max_attempts
+        finished_at = CASE WHEN %(cancel)s OR job.cancel_requested
+                                OR job.attempts >= job.max_attempts
                            THEN statement_timestamp() ELSE NULL END,
         leased_by = NULL,
         lease_expires_at = NULL,
@@ -1064,7 +1069,8 @@ SELECT id, lease_token, state, kind, lane, attempts, leased_by FROM reclaimed OR
 
 SQLITE_EXPIRED = f"""
 SELECT id, lease_token, leased_by, heartbeat_at, lease_expires_at, attempts, max_attempts,
-       kind, lane, COALESCE(started_at, {SQLITE_NOW}), COALESCE(lease_expires_at, {SQLITE_NOW})
+       kind, lane, COALESCE(started_at, {SQLITE_NOW}), COALESCE(lease_expires_at, {SQLITE_NOW}),
+       cancel_requested
 FROM jobs_job
 WHERE state = 'running' AND lease_expires_at < {SQLITE_NOW} {{job_filter}}
 ORDER BY lease_expires_at
@@ -1149,8 +1155,9 @@ def reclaim(
     timeout_ms: int = RECLAIM_STATEMENT_TIMEOUT_MS,
 ) -> list[Reclaimed]:
     """End expired leases (up to ``limit``, or only ``job_id``'s) in a bounded few
-    statements: the job back to ``queued`` (``dead`` when its attempts are spent, or
-    ``cancelled`` with ``cancel``), the attempt ``lease_expired``, its locks freed."""
+    statements: the job back to ``queued`` (``dead`` when its attempts are spent;
+    ``cancelled`` with ``cancel``, or when a cancel had been requested: the operator asked
+    for no further attempt), the attempt ``lease_expired``, its locks freed."""
     if is_postgres():
         params = {"limit": limit, "job_id": job_id, "cancel": cancel, "actor": actor}
         settings = PG_RECLAIM_SETTINGS.format(timeout_ms=int(timeout_ms))
@@ -1184,7 +1191,8 @@ def _sqlite_reclaim(limit: int, job_id: int | None, cancel: bool, actor: str) ->
         rows, events, reclaimed = [], [], []
         for row in expired:
             pk, token, worker, beat, expiry, attempts, max_attempts, kind, lane = row[:9]
-            start, until = row[9:]  # the database's own text (no converter on an expression)
+            start, until = row[9:11]  # the database's text (no converter on an expression)
+            requested = bool(row[11])
             account = (
                 f"worker {worker or '?'} stopped renewing lease {token}: "
                 f"it died, stopped responding or lost the database during attempt {attempts}"
@@ -1193,6 +1201,14 @@ def _sqlite_reclaim(limit: int, job_id: int | None, cancel: bool, actor: str) ->
                 state, error = (
                     "cancelled",
                     (f"cancelled by {actor} after its worker stopped renewing lease {token}"),
+                )
+            elif requested:
+                state, error = (
+                    "cancelled",
+                    (
+                        f"cancelled on request: worker {worker or '?'} stopped renewing lease "
+                        f"{token} before it stopped the job"
+                    ),
                 )
             else:
                 state = "dead" if attempts >= max_attempts else "queued"

@@ -65,6 +65,7 @@ from . import lanes as lane_config
 from .context import JobContext, check_result
 from .exceptions import Cancelled, LeaseLost, PermanentError, TransactionLeftOpen, UnknownKind
 from .log import bound_context, get_logger
+from .models import State
 from .notify import PollWaker, SideListener
 from .registry import HandlerSpec, all_handlers, autodiscover, get_handler
 from .retry import DEFAULT_RETRY
@@ -277,9 +278,8 @@ class WorkerProcess:
             if verdict is not None and ctx.progress_pending:
                 self._quietly(functools.partial(_flush_progress, ctx))  # throttle's last value
             ctx.settling = True  # from here on a heartbeat may rightly find the job settled
-            if ctx.cancel_requested and verdict is not engine.CANCELLED:
-                # Recorded on the job too: its `settled` event says cancel_requested.
-                log.warning("cancel_not_honoured", outcome=verdict.event if verdict else "done")
+            if ctx.cancel_requested:
+                verdict = self._after_cancel_request(verdict)
             following = self._settle(job, verdict)
             return following
         finally:
@@ -292,6 +292,19 @@ class WorkerProcess:
             # no line is logged in between.
             self.processed += 1
 
+    @staticmethod
+    def _after_cancel_request(verdict: engine.Verdict | None) -> engine.Verdict | None:
+        """An attempt asked to cancel that did not end ``cancelled``: a success stands (and
+        is logged as not honoured); anything else ends the job ``cancelled``, never in a
+        further attempt."""
+        if verdict is None or verdict.how.state == State.SUCCEEDED:
+            # Recorded on the job too: its `settled` event says cancel_requested.
+            log.warning("cancel_not_honoured", outcome=verdict.event if verdict else "done")
+            return verdict
+        if verdict.how.state in (State.QUEUED, State.DEAD):
+            return engine.cancelled_on_request(verdict)
+        return verdict
+
     def _execute(self, job: Claimed, ctx: JobContext) -> engine.Verdict | None:
         """Run the handler; return the verdict to write (None: nothing left to write).
 
@@ -299,6 +312,8 @@ class WorkerProcess:
         context (``structlog.contextvars``) ends with its job instead of following the
         worker into the next one.
         """
+        if job.cancel_requested:  # asked while an earlier attempt ran: not run again
+            return engine.CANCELLED_BEFORE_RUN
         scope = contextvars.copy_context()
         try:
             spec = get_handler(job.kind)

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 from django.db import connections
 from django.db.models import query as django_query
+from structlog.testing import capture_logs
 
 from jobs import Cancelled, StateConflict, engine, enqueueing, operations, sql
 from jobs.context import JobContext
@@ -157,30 +158,75 @@ def test_a_cancel_after_the_completion_committed_is_refused() -> None:
     assert event_log(job.pk)[-1][2]["cancel_requested"] is False
 
 
-def test_a_cancel_request_outlives_an_attempt_that_died_and_reaches_the_next_one() -> None:
-    """The worker died before hearing the request: the job is reclaimed and runs again,
-    and the next attempt knows of the request from its claim, then honours it."""
+def test_a_cancel_requested_of_an_attempt_that_died_ends_the_job_at_its_reclaim() -> None:
+    """The worker died (or froze) before hearing the request: the reclaim ends the job
+    ``cancelled``, never runs it again (it queued it for a next attempt, which a handler
+    that does not check ran to its end: the operator's cancel was lost)."""
     enqueueing.enqueue("test.cancellable")
     first = claim_one("w1")
     assert operations.cancel(first.id).state == State.RUNNING
     expire_lease(first.id)
-    assert engine.reclaim_expired() == [first.id]
-    requeued = Job.objects.get(pk=first.id)
-    assert (requeued.state, requeued.cancel_requested) == (State.QUEUED, True)
-
-    second = claim_one("w2")
-    assert second.cancel_requested
-    assert JobContext(second, "w2").cancel_requested
-    engine.cancelled(second)
-    assert Job.objects.get(pk=first.id).state == State.CANCELLED
+    with capture_logs() as logs:
+        assert engine.reclaim_expired() == [first.id]
+    job = Job.objects.get(pk=first.id)
+    assert (job.state, job.cancel_requested) == (State.CANCELLED, True)
+    assert job.finished_at is not None
+    assert job.last_error == (
+        f"cancelled on request: worker w1 stopped renewing lease {first.lease_token} "
+        "before it stopped the job"
+    )
+    assert Lease.objects.get(job_id=job.pk).outcome == Outcome.LEASE_EXPIRED
+    assert [e["new_state"] for e in logs if e["event"] == "lease_reclaimed"] == ["cancelled"]
+    assert engine.claim("w2") is None
     assert [name for name, _, _ in event_log(first.id)] == [
         "claimed",
         "cancel_requested",
         "heartbeat_missed",
         "reclaimed",
-        "claimed",
-        "settled",
     ]
+
+
+def test_a_job_queued_with_a_cancel_request_its_attempt_missed_is_cancelled_unrun(
+    run_worker,
+) -> None:
+    """The attempt's retry settle was decided a moment before the request reached its
+    worker: the job went back to the queue with the request. Its next claim cancels it
+    without running the handler."""
+    enqueueing.enqueue("test.cancellable")
+    claimed = claim_one("w1")
+    assert operations.cancel(claimed.id).state == State.RUNNING
+    engine.settle_and_claim(claimed, engine.failed(claimed, failure(), 0), None, None)
+    assert Job.objects.get(pk=claimed.id).state == State.QUEUED
+
+    with capture_logs() as logs:
+        assert run_worker() == 1
+    job = Job.objects.get(pk=claimed.id)
+    assert (job.state, job.attempts) == (State.CANCELLED, 1)  # the unrun claim is uncharged
+    assert job.last_error.startswith("cancelled on request, made while an earlier attempt")
+    assert [e.get("before_run") for e in logs if e["event"] == "job_cancelled"] == [True]
+    assert not Effect.objects.exists()
+
+
+def test_a_failed_attempt_after_a_cancel_request_ends_the_job_cancelled(run_worker) -> None:
+    """The handler heard the request, did not check it, and failed: the job is cancelled,
+    not retried (it ran again, up to its max_attempts, each attempt ignoring the cancel).
+    The attempt keeps its own outcome and error."""
+    job = enqueueing.enqueue("test.cancelled_then_fail")
+    with capture_logs() as logs:
+        assert run_worker() == 1
+    job = Job.objects.get(pk=job.pk)
+    assert (job.state, job.attempts, job.cancel_requested) == (State.CANCELLED, 1, True)
+    assert job.finished_at is not None
+    assert job.last_error == (
+        "cancelled on request; its attempt ended without stopping: "
+        "RuntimeError: kept going and failed (attempt 1)"
+    )
+    lease = Lease.objects.get(job_id=job.pk)
+    assert (lease.outcome, lease.error_class) == (Outcome.FAILED, "RuntimeError")
+    assert lease.settled_state == State.CANCELLED
+    [cancelled] = [e for e in logs if e["event"] == "job_cancelled"]
+    assert cancelled["after"] == "job_retry_scheduled"
+    assert not [e for e in logs if e["event"] in ("job_retry_scheduled", "cancel_not_honoured")]
 
 
 @pytest.mark.django_db(transaction=True)

@@ -7,6 +7,7 @@ from datetime import timedelta
 import pytest
 from django.db import connection, transaction
 from django.utils import timezone
+from structlog.testing import capture_logs
 
 from jobs import LeaseLost, attempts, engine, enqueueing, operations
 from jobs.context import JobContext
@@ -160,9 +161,26 @@ def test_reclaim_of_a_spent_job_makes_it_dead():
     enqueueing.enqueue("test.echo", max_attempts=1)
     claimed = claim_one()
     expire_lease(claimed.id)
-    assert engine.reclaim_expired() == [claimed.id]
+    with capture_logs() as logs:
+        assert engine.reclaim_expired() == [claimed.id]
     job = Job.objects.get()
     assert job.state == State.DEAD and job.finished_at is not None
+    # The error-level line operators alert on, as a failed last attempt's settle logs.
+    [dead] = [e for e in logs if e["event"] == "job_dead"]
+    assert dead["log_level"] == "error" and dead["reason"] == "lease_expired"
+    assert (dead["job_id"], dead["kind"], dead["attempt"]) == (claimed.id, "test.echo", 1)
+    assert dead["error"].startswith("LeaseExpired: worker w1 stopped renewing lease 1")
+
+
+def test_a_reclaim_pass_of_many_jobs_logs_its_dead_ones_in_one_error_line():
+    enqueueing.enqueue_many("test.echo", [{} for _ in range(101)], max_attempts=1)
+    for _ in range(101):
+        claim_one()
+    Job.objects.update(lease_expires_at=timezone.now() - timedelta(minutes=5))
+    with capture_logs() as logs:
+        assert len(engine.reclaim_expired()) == 101
+    [dead] = [e for e in logs if e["event"] == "jobs_dead"]
+    assert (dead["log_level"], dead["count"], dead["reason"]) == ("error", 101, "lease_expired")
 
 
 def test_heartbeat_extends_the_lease_and_reports_cancel_requests():

@@ -46,6 +46,18 @@ def fail(ctx: JobContext, *, message: str = "boom") -> None:
     raise RuntimeError(f"{message} (attempt {ctx.attempt})")
 
 
+@handler("test.cancelled_then_fail", max_attempts=3, backoff=0)
+def cancelled_then_fail(ctx: JobContext) -> None:
+    """An operator cancels the job while it runs; the handler hears of it (a renewal) but
+    never checks, and fails."""
+    from jobs import operations
+
+    operations.cancel(ctx.job_id, actor="ops")
+    ctx.heartbeat()
+    assert ctx.cancel_requested
+    raise RuntimeError(f"kept going and failed (attempt {ctx.attempt})")
+
+
 @handler("test.permanent", backoff=0)
 def permanent(ctx: JobContext) -> None:
     raise PermanentError("this input can never work")
