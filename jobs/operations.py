@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-import psycopg
 from django.apps import apps
 from django.db import IntegrityError, OperationalError, connection, transaction
 from django.db.models import F, Q, QuerySet
@@ -267,7 +266,7 @@ def cancel(job_id: int, actor: str = "operator") -> Job:
         with sql.lock_waits_bounded(CANCEL_LOCK_WAIT):
             return _cancel(job_id, actor)
     except OperationalError as exc:
-        if not _is_lock_wait(exc):
+        if not sql.is_lock_wait(exc):
             raise
         ends = (
             "the server ends such sessions within one lease"
@@ -278,13 +277,6 @@ def cancel(job_id: int, actor: str = "operator") -> Job:
             f"job {job_id} is locked by an open transaction (its worker may be frozen; "
             f"{ends}): nothing changed, try again"
         ) from None
-
-
-def _is_lock_wait(exc: OperationalError) -> bool:
-    cause = exc.__cause__
-    if isinstance(cause, psycopg.errors.LockNotAvailable):
-        return True
-    return "database is locked" in str(exc)
 
 
 CANCEL_PASSES = 5  # looks at a job that keeps moving between queued and running

@@ -12,13 +12,15 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from datetime import datetime, timedelta
 from typing import Any
 
 from django.db import (
     DatabaseError,
     IntegrityError,
+    OperationalError,
     connection,
     transaction,
 )
@@ -36,6 +38,10 @@ log = get_logger("jobs.scheduler")
 SKIP_GRACE = timedelta(minutes=5)  # with catch_up=skip, a slot later than this is missed
 OVERDUE_AFTER = timedelta(minutes=1)  # queue_status flags schedules this far behind
 MAX_SLEEP = 5.0  # seconds: wake at least this often (reclaim, clock jumps, new schedules)
+# A slot's transaction takes milliseconds; one whose scheduler froze inside it (SIGSTOP, a
+# paused VM) is ended by the server after this long, its row lock freed for the others.
+SLOT_IDLE_LIMIT = 10.0  # seconds
+SCHEDULE_LOCK_WAIT = 3.0  # seconds pause/resume wait for a schedule row another holds
 
 
 class ScheduleNotFound(HoldfastError, LookupError):
@@ -133,6 +139,7 @@ def tick(
 
 def _advance(pk: int, now: datetime) -> int | None:
     with transaction.atomic():
+        sql.end_session_if_frozen(SLOT_IDLE_LIMIT)  # a frozen scheduler stalls no schedule
         row = (
             Schedule.objects.select_for_update(skip_locked=True)
             .filter(pk=pk, declared=True, paused=False, next_due_at__lte=now)
@@ -190,7 +197,8 @@ def get(name: str) -> Schedule:
 
 def pause(name: str, actor: str = "operator") -> Schedule:
     get(name)
-    Schedule.objects.filter(name=name).update(paused=True, updated_at=Now())
+    with _row_waits_bounded(name):
+        Schedule.objects.filter(name=name).update(paused=True, updated_at=Now())
     log.info("schedule_paused", schedule=name, by=actor)
     return get(name)
 
@@ -200,9 +208,30 @@ def resume(name: str, actor: str = "operator") -> Schedule:
     row = get(name)
     if row.paused:
         due = next_slot(row.cron, row.every, row.timezone, engine.db_now())
-        Schedule.objects.filter(name=name).update(paused=False, next_due_at=due, updated_at=Now())
+        with _row_waits_bounded(name):
+            Schedule.objects.filter(name=name).update(
+                paused=False, next_due_at=due, updated_at=Now()
+            )
         log.info("schedule_resumed", schedule=name, by=actor, next_due_at=due.isoformat())
     return get(name)
+
+
+@contextmanager
+def _row_waits_bounded(name: str) -> Iterator[None]:
+    """An operator's write to a schedule row waits ``SCHEDULE_LOCK_WAIT`` at most for a
+    scheduler's slot transaction (a frozen one holds the row until the server ends it),
+    then says so: StateConflict, nothing changed."""
+    try:
+        with sql.lock_waits_bounded(SCHEDULE_LOCK_WAIT):
+            yield
+    except OperationalError as exc:
+        if not sql.is_lock_wait(exc):
+            raise
+        raise StateConflict(
+            f"schedule {name!r} is locked by a scheduler's open transaction (it may be "
+            "frozen; the server ends such a session within "
+            f"{SLOT_IDLE_LIMIT:g} s): nothing changed, try again"
+        ) from None
 
 
 def run_now(name: str, actor: str = "operator") -> Job:

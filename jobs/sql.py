@@ -1257,6 +1257,27 @@ def ids_through_an_index() -> Iterator[None]:
             cursor.execute("SELECT set_config('enable_indexscan', %s, true)", [previous])
 
 
+def end_session_if_frozen(seconds: float) -> None:
+    """PostgreSQL: the server ends this session if it sits idle inside the current
+    transaction longer than ``seconds`` (its process frozen: SIGSTOP, a paused VM, a cut
+    network), which rolls the transaction back and frees its row locks. ``LOCAL`` to the
+    transaction; nothing on SQLite (see ``jobs.workers.FrozenHolderWatch``)."""
+    if is_postgres():
+        with connection.cursor() as cursor:
+            cursor.execute(
+                "SELECT set_config('idle_in_transaction_session_timeout', %s, true)",
+                [f"{int(seconds * 1000)}ms"],
+            )
+
+
+def is_lock_wait(exc: OperationalError) -> bool:
+    """Whether ``exc`` is a lock wait that ``lock_waits_bounded`` ended."""
+    cause = exc.__cause__
+    if isinstance(cause, psycopg.errors.LockNotAvailable):
+        return True
+    return "database is locked" in str(exc)
+
+
 @contextmanager
 def lock_waits_bounded(seconds: float) -> Iterator[None]:
     """A transaction whose lock waits (row locks; SQLite's database lock) end after

@@ -1,17 +1,21 @@
 """The scheduler's slot ledger (I5) with travelled time: the tick takes the time as input."""
 
 import json
+import threading
+import time
 from datetime import UTC, datetime, timedelta
 from io import StringIO
 from zoneinfo import ZoneInfo
 
 import pytest
 from django.core.management import CommandError, call_command
+from django.db import DatabaseError, connection
 from django.test import override_settings
 from django.utils import timezone
 from structlog.testing import capture_logs
 
-from jobs import engine, enqueueing, operations, refresh, scheduler, schedules
+from jobs import engine, enqueueing, operations, refresh, scheduler, schedules, sql
+from jobs.exceptions import StateConflict
 from jobs.models import Job, Schedule, State
 from tests.testapp.models import Document
 
@@ -335,3 +339,55 @@ def test_a_step_from_a_wildcard_keeps_the_dst_rule_of_fixed_times(cron):
         "2026-10-25T02:30:00+02:00",
         "2026-10-26T02:00:00+01:00",
     ]
+
+
+@pytest.mark.django_db(transaction=True)
+@override_settings(HOLDFAST_SCHEDULES={"nightly": NIGHTLY})
+def test_a_scheduler_frozen_inside_a_slot_holds_its_schedule_only_briefly(monkeypatch):
+    """A scheduler frozen (SIGSTOP, a paused VM) between locking a due row and committing
+    held the row for ever: the other schedulers skip locked rows, so the schedule never ran
+    again, and ``pause_schedule`` hung. The server now ends that session, and an operator's
+    pause meanwhile answers within seconds (audit)."""
+    if not sql.is_postgres():
+        pytest.skip("SQLite: a frozen holder of the write lock is FrozenHolderWatch's")
+    monkeypatch.setattr(scheduler, "SLOT_IDLE_LIMIT", 1.5)
+    monkeypatch.setattr(scheduler, "SCHEDULE_LOCK_WAIT", 0.2)
+    scheduler.sync(now=at(2026, 11, 30, 10))
+    slot_time = at(2026, 12, 1, 2, 0, 1)
+    frozen, thaw = threading.Event(), threading.Event()
+    enqueue_slot = scheduler._enqueue_slot
+
+    def freeze_first(row: Schedule, unique_key: str) -> Job | None:
+        if not frozen.is_set():  # the first scheduler stops inside its slot transaction
+            frozen.set()
+            thaw.wait(20)
+        return enqueue_slot(row, unique_key)
+
+    monkeypatch.setattr(scheduler, "_enqueue_slot", freeze_first)
+    late: list[BaseException] = []
+
+    def frozen_scheduler() -> None:
+        try:
+            scheduler.tick(slot_time)
+        except DatabaseError as exc:
+            late.append(exc)
+        finally:
+            connection.close()
+
+    first = threading.Thread(target=frozen_scheduler)
+    first.start()
+    try:
+        assert frozen.wait(10)
+        with pytest.raises(StateConflict, match="locked by a scheduler's open transaction"):
+            scheduler.pause("nightly")
+        assert not schedule("nightly").paused
+        enqueued, deadline = [], time.monotonic() + 15
+        while not enqueued and time.monotonic() < deadline:
+            enqueued = scheduler.tick(slot_time)  # another scheduler, once the row is free
+            time.sleep(0.1)
+        assert len(enqueued) == 1
+    finally:
+        thaw.set()
+        first.join(20)
+    assert late  # the frozen one's late commit failed on its ended session
+    assert [job.pk for job in jobs_of("nightly")] == enqueued
