@@ -331,7 +331,18 @@ def catch_up(
         return latest, latest + step
     latest = due
     for steps, slot in enumerate(slots_after(cron, every, timezone, due)):
-        if slot > now or steps >= MAX_CATCH_UP_STEPS:
-            return latest, slot if slot > now else next_slot(cron, every, timezone, now)
+        if slot > now:
+            return latest, slot
+        if steps >= MAX_CATCH_UP_STEPS:  # far behind: the latest slot is found from now
+            return _latest_slot(cron, timezone, now), next_slot(cron, every, timezone, now)
         latest = slot
+    raise AssertionError("unreachable: cron slots never end")
+
+
+def _latest_slot(cron: str, timezone: str, now: datetime) -> datetime:
+    """The cron schedule's latest slot at or before ``now``, walking back from it."""
+    local = now.astimezone(ZoneInfo(timezone))
+    for slot in CronSim(_fixed_times(cron), local, reverse=True):
+        if slot <= now:
+            return slot.astimezone(UTC)
     raise AssertionError("unreachable: cron slots never end")

@@ -55,6 +55,23 @@ def test_catch_up_collapses_missed_slots_to_the_latest_and_keeps_the_grid():
     assert (latest - due).total_seconds() % 600 == 0  # same grid as before the downtime
 
 
+@pytest.mark.parametrize(
+    ("cron", "zone", "due", "latest"),
+    [
+        ("* * * * *", "UTC", utc(2026, 1, 1), utc(2026, 11, 30, 10, 30)),
+        ("*/5 * * * *", "Europe/Berlin", utc(2025, 1, 1), utc(2026, 11, 30, 10, 30)),
+        ("0 3 * * *", "Europe/Berlin", utc(1700, 1, 1, 2), utc(2026, 11, 30, 2)),
+    ],
+)
+def test_a_cron_schedule_far_behind_catches_up_to_its_latest_slot(cron, zone, due, latest):
+    """More than MAX_CATCH_UP_STEPS slots behind (an every-minute schedule after 70 days
+    down; a daily one after 300 years: a row whose next_due_at an operator wrote), the
+    walk stopped at its cap and returned that slot, months old, as the latest: ``once``
+    ran a stale slot, ``skip`` skipped a slot that was due (audit)."""
+    now = utc(2026, 11, 30, 10, 30, 30)
+    assert catch_up(cron, None, zone, due, now) == (latest, next_slot(cron, None, zone, now))
+
+
 def test_sub_second_intervals_catch_up_exactly():
     due = utc(2026, 1, 1)
     now = due + timedelta(seconds=0.3)
