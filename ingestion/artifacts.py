@@ -186,9 +186,7 @@ def deferred(ctx: JobContext, artifact: Artifact, status: int, pause: float) -> 
                     kept_sha256=current.sha256 or None,
                 ),
             )
-    log.warning(
-        "artifact_fetch_deferred", artifact_id=artifact.pk, source=artifact.source.name, **result
-    )
+    log.warning("artifact_fetch_deferred", source=artifact.source.name, **result)
     return result
 
 

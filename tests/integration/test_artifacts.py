@@ -16,6 +16,7 @@ import pytest
 from django.core.management import CommandError
 from django.db.models import F
 from django.utils import timezone
+from structlog.testing import capture_logs
 
 from demo.site import FixtureSite
 from ingestion import artifacts as artifacts_module
@@ -291,9 +292,14 @@ def test_a_long_retry_after_puts_the_fetch_off_until_then(site, source, run_work
     (eight retries within ten minutes hammered a site asking for a pause)."""
     site.replies["/busy"] = (status, "text/plain", b"busy\n", {"Retry-After": "3600"})
     artifact = artifact_at(source, "/busy")
-    job = fetch(run_worker, artifact)
+    with capture_logs() as logs:
+        job = fetch(run_worker, artifact)
     assert (job.state, job.attempts) == (State.SUCCEEDED, 1)
     assert job.result["outcome"] == "deferred" and job.result["retry_after"] == 3600
+    # Its log line is written (the call raised TypeError: artifact_id passed twice).
+    [line] = [e for e in logs if e["event"] == "artifact_fetch_deferred"]
+    assert (line["artifact_id"], line["retry_after"]) == (artifact.pk, 3600)
+    assert not [e for e in logs if e["event"] == "handler_raised_after_complete"]
     assert len(site.requests_to("/busy")) == 1
     assert timedelta(minutes=59) < artifact.refresh_after - timezone.now() <= timedelta(hours=1)
     assert "Retry-After" in artifact.last_error
