@@ -14,8 +14,8 @@ from typing import Any
 
 from django.apps import apps
 from django.db import IntegrityError, OperationalError, connection, transaction
-from django.db.models import F, Q, QuerySet
-from django.db.models.functions import Now
+from django.db.models import Case, F, Q, QuerySet, TextField, Value, When
+from django.db.models.functions import Concat, Now
 from django.tasks import Task
 from django.utils.module_loading import import_string
 
@@ -302,7 +302,15 @@ def _cancel_pass(job_id: int, actor: str) -> Job | None:
         state=State.CANCELLED,
         cancel_requested=True,
         finished_at=Now(),
-        last_error=f"cancelled by {actor} before it ran",
+        last_error=Case(  # a job waiting to retry ran before: its last error is kept
+            When(attempts=0, then=Value(f"cancelled by {actor} before it ran")),
+            default=Concat(
+                Value(f"cancelled by {actor} while it waited to run again; before: "),
+                F("last_error"),
+                output_field=TextField(),
+            ),
+            output_field=TextField(),
+        ),
         updated_at=Now(),
     ):
         job = get_job(job_id)

@@ -129,15 +129,27 @@ def queue_status() -> dict[str, Any]:
 
 def unserved_kinds(live_workers: list[Worker]) -> list[dict[str, Any]]:
     """The kinds (per lane) with queued jobs that no live worker serves: no live worker
-    has a handler for the kind and serves the lane. Such jobs wait, uncharged, until one
-    starts (new code enqueued a kind before workers that know it were deployed)."""
+    has a handler for the kind and serves the lane (``reason`` says which is missing).
+    Such jobs wait, uncharged, until one starts (new code enqueued a kind before workers
+    that know it were deployed)."""
 
-    def served(kind: str, lane: str) -> bool:
-        return any(
-            (not worker.lanes or lane in worker.lanes)
-            and (worker.kinds is None or kind in worker.kinds)
-            for worker in live_workers
-        )
+    def serves_lane(worker: Worker, lane: str) -> bool:
+        return not worker.lanes or lane in worker.lanes
+
+    def knows(worker: Worker, kind: str) -> bool:
+        return worker.kinds is None or kind in worker.kinds
+
+    def why_unserved(kind: str, lane: str) -> str | None:
+        """None if a live worker serves it, else what an operator must start."""
+        if any(serves_lane(w, lane) and knows(w, kind) for w in live_workers):
+            return None
+        if not live_workers:
+            return "no worker is live"
+        if not any(knows(w, kind) for w in live_workers):
+            return "no live worker has a handler for it"
+        if not any(serves_lane(w, lane) for w in live_workers):
+            return f"no live worker serves lane {lane}"
+        return f"the live workers with its handler do not serve lane {lane}"
 
     queued = (
         Job.objects.filter(state=State.QUEUED)
@@ -151,9 +163,10 @@ def unserved_kinds(live_workers: list[Worker]) -> list[dict[str, Any]]:
             "lane": row["lane"],
             "queued": row["n"],
             "oldest_enqueued_at": timestamp(row["oldest"]),
+            "reason": reason,
         }
         for row in queued
-        if not served(row["kind"], row["lane"])
+        if (reason := why_unserved(row["kind"], row["lane"])) is not None
     ]
 
 

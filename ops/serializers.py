@@ -445,6 +445,9 @@ class UnservedKind(serializers.Serializer):
     lane = serializers.CharField()
     queued = serializers.IntegerField()
     oldest_enqueued_at = serializers.DateTimeField()
+    reason = serializers.CharField(
+        help_text="what is missing: a live worker, a handler for the kind, or one serving the lane"
+    )
 
 
 class SpoolBacklog(serializers.Serializer):

@@ -27,6 +27,20 @@ def test_cancel_a_queued_job_at_once():
     assert "cancelled" in run("list_jobs", "--state", "cancelled")
 
 
+def test_cancel_of_a_job_waiting_to_retry_says_so_and_keeps_its_last_error():
+    """It said "before it ran" of a job that had run and failed (audit)."""
+    job = enqueueing.enqueue("test.echo")
+    assert run_json("cancel_job", str(job.pk))["last_error"] == "cancelled by cli before it ran"
+    enqueueing.enqueue("test.echo", max_attempts=3)
+    claimed = claim_one()
+    engine.fail(claimed, failure("upstream timed out"), 60)
+    data = run_json("cancel_job", str(claimed.id))
+    assert data["state"] == "cancelled"
+    assert data["last_error"] == (
+        "cancelled by cli while it waited to run again; before: RuntimeError: upstream timed out"
+    )
+
+
 def test_cancel_a_running_job_requests_it_and_the_worker_learns_at_its_heartbeat():
     enqueueing.enqueue("test.echo")
     claimed = claim_one()

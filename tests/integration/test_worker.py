@@ -12,7 +12,7 @@ from jobs.context import JobContext
 from jobs.models import Job, Lease, Outcome, State, Worker
 from tests.testapp.models import Effect
 
-from .helpers import claim_one, expire_lease, run_json
+from .helpers import claim_one, expire_lease, run, run_json
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -62,9 +62,15 @@ def test_a_kind_without_handler_waits_uncharged_for_a_worker_that_knows_it(run_w
     Worker.objects.create(id="gone", host="h", pid=1, kinds=["vanished.kind"], stopped_at=Now())
     Worker.objects.create(id="live", host="h", pid=2, kinds=["test.echo"])
     unserved = run_json("queue_status")["unserved_kinds"]
-    assert [(u["kind"], u["lane"], u["queued"]) for u in unserved] == [
-        ("vanished.kind", "default", 1)
+    assert [(u["kind"], u["lane"], u["queued"], u["reason"]) for u in unserved] == [
+        ("vanished.kind", "default", 1, "no live worker has a handler for it")
     ]
+    # A worker that knows the kind but serves other lanes: the lane is what is missing.
+    Worker.objects.create(id="other-lane", host="h", pid=4, kinds=None, lanes=["bulk"])
+    [unserved] = run_json("queue_status")["unserved_kinds"]
+    assert unserved["reason"] == "the live workers with its handler do not serve lane default"
+    assert f"in lane default: {unserved['reason']}" in run("queue_status")
+    Worker.objects.filter(pk="other-lane").delete()
     Worker.objects.create(id="new-code", host="h", pid=3, kinds=["test.echo", "vanished.kind"])
     assert run_json("queue_status")["unserved_kinds"] == []
     claimed = engine.claim("new-code", kinds=["vanished.kind"])

@@ -40,7 +40,7 @@ class Command(JobsCommand):
         for unserved in status["unserved_kinds"]:
             write(
                 f"  UNSERVED: {unserved['queued']} queued {unserved['kind']} in lane "
-                f"{unserved['lane']}: no live worker has a handler for it"
+                f"{unserved['lane']}: {unserved['reason']}"
             )
         for line in render_sections(status):
             write(line)
