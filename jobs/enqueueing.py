@@ -158,9 +158,16 @@ def enqueue_many(
         queued = Job.objects.filter(lane=chosen.name, state=State.QUEUED).count()
         if queued + len(args_list) > chosen.max_queued:
             message = f"lane {chosen.name!r} is full ({queued} of {chosen.max_queued} queued)"
+            if len(args_list) > 1:  # a batch is refused whole: it may be what does not fit
+                message = (
+                    f"lane {chosen.name!r} has room for {max(0, chosen.max_queued - queued)} "
+                    f"more jobs ({queued} of {chosen.max_queued} queued), not "
+                    f"{len(args_list)}: nothing enqueued"
+                )
             if chosen.on_full == "drop":
                 log.warning("job_dropped", kind=kind, lane=chosen.name, count=len(args_list))
                 return []
+            log.warning("lane_full", kind=kind, lane=chosen.name, error=message)
             raise LaneFull(message)
     locks = [_locks(spec, args) for args in args_list] if spec.locks else None
     options = {

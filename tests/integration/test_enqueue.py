@@ -6,6 +6,7 @@ import pytest
 from django.db import transaction
 from django.test import override_settings
 from django.utils import timezone
+from structlog.testing import capture_logs
 
 from jobs import InvalidJob, LaneFull, LaneRefused, UnknownKind
 from jobs.enqueueing import enqueue, enqueue_many
@@ -97,6 +98,24 @@ def test_lanes_route_refuse_and_bound():
     assert enqueue("test.noop") is not None
     assert enqueue("test.noop") is None  # dropped, not raised
     assert Job.objects.filter(lane="bulk").count() == 1
+
+
+@override_settings(HOLDFAST_LANES=LANES)
+def test_a_batch_too_big_for_a_lane_says_how_much_room_is_left():
+    """It said the lane "is full (0 of 2 queued)", and nothing was logged (audit)."""
+    with capture_logs() as logs, pytest.raises(LaneFull) as refused:
+        enqueue_many("test.echo", [{}, {}, {}])
+    assert str(refused.value) == (
+        "lane 'media' has room for 2 more jobs (0 of 2 queued), not 3: nothing enqueued"
+    )
+    [line] = [e for e in logs if e["event"] == "lane_full"]
+    assert (line["log_level"], line["lane"], line["error"]) == (
+        "warning",
+        "media",
+        str(refused.value),
+    )
+    assert not Job.objects.exists()
+    assert len(enqueue_many("test.echo", [{}, {}])) == 2
 
 
 def test_enqueue_many_with_unique_keys_dedupes_each_job_in_bulk(django_assert_max_num_queries):
