@@ -43,11 +43,17 @@ SECONDS_MAXIMUM = durations.MAXIMUM.total_seconds()
 
 
 def env_number(
-    name: str, default: float, *, positive: bool = False, maximum: float | None = None
+    name: str,
+    default: float,
+    *,
+    positive: bool = False,
+    minimum: float | None = None,
+    maximum: float | None = None,
 ) -> float:
     """A number from the environment: finite, not negative (``positive``: above 0), at
-    most ``maximum`` (for a ``…_SECONDS`` setting, at most ``SECONDS_MAXIMUM`` when none is
-    given); anything else is a one-line configuration error naming it."""
+    least ``minimum``, at most ``maximum`` (for a ``…_SECONDS`` setting, at most
+    ``SECONDS_MAXIMUM`` when none is given); anything else is a one-line configuration
+    error naming it."""
     if maximum is None and name.endswith("_SECONDS"):
         maximum = SECONDS_MAXIMUM
     value = os.environ.get(name)
@@ -62,6 +68,8 @@ def env_number(
     if number < 0 or (positive and number == 0):
         above = "above 0" if positive else "0 or more"
         raise ImproperlyConfigured(f"{name} must be {above}, got {value!r}")
+    if minimum is not None and number < minimum:
+        raise ImproperlyConfigured(f"{name} must be at least {minimum:g}, got {value!r}")
     if maximum is not None and number > maximum:
         raise ImproperlyConfigured(f"{name} must be at most {maximum:g}, got {value!r}")
     return number
@@ -317,7 +325,8 @@ HOLDFAST_RETENTION_SECONDS = env_number("HOLDFAST_RETENTION_SECONDS", 600)  # be
 # kept); open ones never are.
 HOLDFAST_RETAIN_RESOLVED_ISSUES = env_duration("HOLDFAST_RETAIN_RESOLVED_ISSUES", "180d")
 # How often the built-in refresh job asks each registered refresher for due refreshes.
-HOLDFAST_REFRESH_SECONDS = env_number("HOLDFAST_REFRESH_SECONDS", 300)
+# The refresh schedule's interval: at least jobs.options.MIN_EVERY, as every schedule's.
+HOLDFAST_REFRESH_SECONDS = env_number("HOLDFAST_REFRESH_SECONDS", 300, minimum=0.1)
 # Polite HTTP for sources and artifacts (ingestion/http.py, docs/sources.md).
 HOLDFAST_USER_AGENT = (
     os.environ.get("HOLDFAST_USER_AGENT", "").strip()

@@ -16,6 +16,22 @@ def test_a_number_setting_must_be_finite(monkeypatch, value):
         env_number("HOLDFAST_POLL_SECONDS", 1)
 
 
+@pytest.mark.parametrize("value", ["0", "0.05"])
+def test_the_refresh_interval_is_refused_below_a_schedules_shortest(monkeypatch, value):
+    """0 was accepted here, then refused by the scheduler's start as "schedule
+    'holdfast.refresh': 'every' must be …", naming no variable (audit)."""
+    monkeypatch.setenv("HOLDFAST_REFRESH_SECONDS", value)
+    with pytest.raises(ImproperlyConfigured, match="HOLDFAST_REFRESH_SECONDS must be at least"):
+        env_number("HOLDFAST_REFRESH_SECONDS", 300, minimum=0.1)
+
+
+def test_the_refresh_settings_minimum_is_the_schedules():
+    from jobs.options import MIN_EVERY
+
+    source = (Path(__file__).parents[2] / "config" / "settings.py").read_text()
+    assert f'env_number("HOLDFAST_REFRESH_SECONDS", 300, minimum={MIN_EVERY:g})' in source
+
+
 @pytest.mark.parametrize("value", ["ture", "maybe", "2", "enabled"])
 def test_a_flag_with_an_unknown_word_is_refused(monkeypatch, value):
     monkeypatch.setenv("HOLDFAST_BEHIND_TLS_PROXY", value)
