@@ -449,6 +449,8 @@ class WorkerProcess:
     # --- the lease keeper thread -------------------------------------------------------
 
     def _keep_leases(self) -> None:
+        # A thread starts with a context of its own: every keeper line names its worker.
+        structlog.contextvars.bind_contextvars(worker_id=self.worker_id)
         notify.use_side_database()  # this thread's connection: the side connection
         listener = SideListener(notify.worker_channels(self.lanes)) if notify.listens() else None
         state = _KeeperState()
@@ -699,11 +701,10 @@ class WorkerProcess:
         except LeaseLost:
             if ctx.settling:
                 return  # the main thread settled the job while this heartbeat was in flight
-            log.warning(
-                "lease_lost", during="heartbeat", job_id=ctx.job_id, lease_token=ctx.lease_token
-            )
+            log.warning("lease_lost", during="heartbeat", **engine.job_log_context(ctx.job))
         except DB_ERRORS as exc:
-            log.warning("heartbeat_failed", job_id=ctx.job_id, error=_one_line(exc))
+            error = _one_line(exc)
+            log.warning("heartbeat_failed", **engine.job_log_context(ctx.job), error=error)
             self._reclaim_hold.note(exc)
             connection.close()
 
@@ -713,7 +714,11 @@ class WorkerProcess:
             return
         if time.monotonic() - self.stop_requested_at < self.grace_seconds:
             return
-        log.warning("shutdown_grace_expired", job_id=job.id, grace_seconds=self.grace_seconds)
+        log.warning(
+            "shutdown_grace_expired",
+            **engine.job_log_context(job),
+            grace_seconds=self.grace_seconds,
+        )
         try:
             # The handler may hold the job row (a long ctx.atomic block): wait a little,
             # never forever; if the release cannot be written, the lease expires instead.
@@ -725,7 +730,7 @@ class WorkerProcess:
             if moved_on:
                 return  # settled meanwhile, maybe with the next job claimed: look again
         except DatabaseError as exc:
-            log.error("release_failed", job_id=job.id, error=_one_line(exc))
+            log.error("release_failed", **engine.job_log_context(job), error=_one_line(exc))
         self._quietly(lambda: workers.worker_stopped(self.worker_id))
         sys.stderr.flush()
         os._exit(0)

@@ -61,7 +61,16 @@ def test_sigterm_releases_a_job_longer_than_the_grace_period_uncharged(
     worker.terminate()
     assert worker.wait_exit(timeout=10) == 0, worker.describe()
     assert time.monotonic() - sent < 6, "the worker did not release the job after its grace"
-    worker.wait_for_event("shutdown_grace_expired", job_id=job.pk)
+    # Written by the lease keeper's thread, with the whole identity of the attempt.
+    worker.wait_for_event(
+        "shutdown_grace_expired",
+        job_id=job.pk,
+        kind="test.sleep",
+        lane="default",
+        attempt=1,
+        lease_token=1,
+        worker_id="w1",
+    )
     worker.wait_for_event("job_released", job_id=job.pk, lease_token=1)
 
     job.refresh_from_db()
