@@ -81,6 +81,13 @@ HANDOUT_BYTES = 4 * MIB
 #: that keep up send a list every few milliseconds, so a pause means the spool is drained
 #: (for now) and waiting for the batch timer would only delay the last commit.
 IDLE_SECONDS = 0.05
+# Asked to stop (SIGTERM), the writer commits the batch it holds; while the database will
+# not take it (down, locked), it gives the batch up after this long (at most half of
+# --stuck-after), its files left in incoming/ for the next run, so the stop ends well
+# inside a service manager's stop timeout (deploy/'s unit: 30 s). A writer
+# blocked inside a commit is killed that much later again: its transaction rolls back.
+STOP_FLUSH_SECONDS = 10.0
+STOP_KILL_SECONDS = 5.0
 
 ERROR = "error"  # the writer's last database error (name is empty)
 FLUSHING = "flushing"  # the writer began a commit: (files, monotonic start) in detail, delay
@@ -302,6 +309,7 @@ def _writer_main(
     entries: multiprocessing.Queue[list[bytes]],
     outcomes: multiprocessing.Queue[list[Outcome]],
     stop: Event,
+    abandon: Event,
 ) -> None:
     _child_signals()
     reports: list[Outcome] = []
@@ -327,6 +335,14 @@ def _writer_main(
         while True:
             stopping = stop.is_set()
             if stopping and not writer.buffer:
+                return
+            if abandon.is_set():  # stopping, and the database would not take the batch
+                log.warning(
+                    "spool_batch_abandoned",
+                    files=len(writer.buffer),
+                    reason="stopping, and the database did not take the batch in time: "
+                    "its files stay in incoming/ for the next run",
+                )
                 return
             idle = False
             if not stopping:
@@ -357,6 +373,19 @@ def _writer_main(
         if reports:
             outcomes.put(list(reports))
         connections.close_all()
+
+
+def _bound_the_last_flush(
+    writer: multiprocessing.process.BaseProcess, abandon: Event, waited: float, limit: float
+) -> None:
+    """Stopping on a signal: past ``limit`` seconds the writer gives its batch up, and
+    ``STOP_KILL_SECONDS`` later one still blocked in a commit is killed (rolled back)."""
+    if waited > limit and not abandon.is_set():
+        abandon.set()
+    if waited > limit + STOP_KILL_SECONDS and writer.is_alive():
+        log.warning("spool_writer_killed", reason="blocked in a commit while stopping")
+        writer.kill()
+        writer.join(timeout=5)
 
 
 class _Stop:
@@ -393,6 +422,7 @@ def run(
     entries: multiprocessing.Queue[list[bytes]] = ctx.Queue(maxsize=max(4, 2 * options.workers))
     outcomes: multiprocessing.Queue[list[Outcome]] = ctx.Queue()
     stop_children = ctx.Event()
+    abandon = ctx.Event()  # stopping, and the writer's batch cannot be committed in time
     # Names handed out and not finished: enough to fill the writer's batches, no more.
     budget = 2 * options.max_files + 4 * HANDOUT_FILES * options.workers
 
@@ -401,7 +431,7 @@ def run(
         stream.flush()
     writer = ctx.Process(
         target=_writer_main,
-        args=(spool, options, entries, outcomes, stop_children),
+        args=(spool, options, entries, outcomes, stop_children, abandon),
         name="spool-writer",
         daemon=True,
     )
@@ -478,13 +508,17 @@ def run(
             names.put(None)
         with contextlib.suppress(queue.Full):
             entries.put_nowait([])
+        flush_limit = min(STOP_FLUSH_SECONDS, options.stuck_after / 2)
+        stopped_at = time.monotonic()
         while writer.is_alive() or any(reader.is_alive() for reader in readers):
             writer.join(timeout=options.poll_seconds)
             collect()
             monitor.check()
             progress.update(monitor.figures())
+            if stop.signal:
+                _bound_the_last_flush(writer, abandon, time.monotonic() - stopped_at, flush_limit)
         collect()
-        if writer.exitcode != 0:
+        if writer.exitcode != 0 and not abandon.is_set():
             raise RuntimeError(f"the spool writer exited with code {writer.exitcode}")
         result = monitor.figures()
         log.info("spool_ingester_stopped", **result, signal=stop.signal)

@@ -278,6 +278,36 @@ def test_watching_applies_new_files_and_stops_cleanly_on_sigterm(
     assert set(Fact.objects.values_list("submitted_at__hour", flat=True)) == {12}
 
 
+def test_a_stop_while_the_database_refuses_every_batch_ends_in_time_leaving_the_files(
+    workers: WorkerPool, spool: Path
+) -> None:
+    """SIGTERM while no batch can commit: the writer held its batch until --stuck-after
+    (60 s by default), past the unit's 30 s stop timeout, so systemd killed it and no
+    `spool_ingester_stopped` line was written. It gives the batch up after half the stuck
+    time (at most 10 s); every file stays in incoming/ for the next run (audit)."""
+    before = fill(spool)
+    run = workers.spawn(
+        "watcher",
+        "ingest_submissions",
+        "--spool",
+        str(spool),
+        "--stuck-after",
+        "10",  # the batch is given up after 5 s, before the stuck rule would end the run
+        env={"HOLDFAST_SPOOL_SETTLE_SECONDS": "0", "HOLDFAST_SPOOL_FAULT": "db_error"},
+    )
+    run.wait_for_event("spool_flush_failed", timeout=20)
+    sent = time.monotonic()
+    run.terminate()
+    assert run.wait_exit(timeout=25) == 0, run.describe()
+    assert time.monotonic() - sent < 9, run.describe()
+    assert run.events("spool_batch_abandoned"), run.describe()
+    assert run.events("spool_ingester_stopped", signal="SIGTERM"), run.describe()
+    assert_nothing_happened(spool, before)
+
+    assert ingest(workers, spool).returncode == 0
+    assert_applied_once(spool)
+
+
 def test_the_readers_and_writer_die_with_a_killed_monitor(workers: WorkerPool, spool: Path) -> None:
     """``kill -9`` of the command from a shell (no service manager to kill its group):
     its children must not read and write on, holding connections, under no one."""
