@@ -467,6 +467,16 @@ def _schema_errors(document: Any) -> InvalidSubmission | None:
     )
 
 
+def _all_of(problems: list[InvalidSubmission]) -> InvalidSubmission:
+    """One refusal listing every fact's problem (the first :data:`MAX_ERRORS`), in the
+    first one's stage, as a schema refusal lists its errors."""
+    if len(problems) == 1:
+        return problems[0]
+    texts = [problem.message[:MAX_ERROR_CHARS] for problem in problems[:MAX_ERRORS]]
+    more = f" ({len(problems)} errors in all; the reason lists the first {len(texts)})"
+    return InvalidSubmission(problems[0].stage, f"{texts[0]}{more}", texts, len(problems))
+
+
 def parse(raw: bytes, limits: Limits, hash: str | None = None) -> Submission:
     """Judge ``raw`` (a whole file); return the submission or raise InvalidSubmission.
 
@@ -528,17 +538,27 @@ def _parse(raw: bytes, limits: Limits, hash: str | None) -> Submission:
 
     rows: list[FactRow] = []
     seen: set[tuple[str, str]] = set()
+    problems: list[InvalidSubmission] = []  # every fact's, so one fix-up round is enough
     for index, fact in enumerate(facts):
         identity = (fact["entity"], fact["key"])
         if identity in seen:
-            raise InvalidSubmission(
-                "semantic",
-                f"$.facts[{index}]: entity {identity[0]!r} key {identity[1]!r} appears twice",
+            problems.append(
+                InvalidSubmission(
+                    "semantic",
+                    f"$.facts[{index}]: entity {identity[0]!r} key {identity[1]!r} appears twice",
+                )
             )
+            continue
         seen.add(identity)
         if len(identity[0]) + len(identity[1]) > MAX_IDENTITY_BYTES // 4:  # else surely fits
-            _check_identity_size(index, *identity)
+            try:
+                _check_identity_size(index, *identity)
+            except InvalidSubmission as problem:
+                problems.append(problem)
+                continue
         rows.append(FactRow(fact["entity"], fact["key"], encode(fact["attributes"])))
+    if problems:
+        raise _all_of(problems)
     return Submission(
         hash=hash or digest(raw),
         lab=document["lab"],

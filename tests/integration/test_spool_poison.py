@@ -198,6 +198,24 @@ def test_a_reason_keeps_every_validation_error_and_their_count(
     assert issue.details["errors"] == few["errors"] and issue.details["error_count"] == 5
 
 
+def test_a_reason_lists_every_fact_that_appears_twice(
+    db: None, the_spool: Spool, drop: Drop
+) -> None:
+    """It named the first duplicate only: a producer fixed one and was refused again for
+    the next (audit)."""
+    facts = [{"entity": "run", "key": key, "attributes": {}} for key in "abacbd"]
+    drop("twice.json", {**submission(), "facts": facts})
+    drain(the_spool, stuck_after=10)
+
+    refused = reason(the_spool, "twice.json")
+    assert refused["stage"] == "semantic" and refused["error_count"] == 2
+    assert refused["errors"] == [
+        "$.facts[2]: entity 'run' key 'a' appears twice",
+        "$.facts[4]: entity 'run' key 'b' appears twice",
+    ]
+    assert refused["error"].endswith("(2 errors in all; the reason lists the first 2)")
+
+
 def test_quarantining_the_same_bytes_again_opens_a_new_issue_and_logs_it(
     db: None, the_spool: Spool, drop: Drop
 ) -> None:
