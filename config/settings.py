@@ -88,14 +88,17 @@ def var_dir() -> Path:
 
 
 def env_duration(name: str, default: str) -> timedelta | None:
-    """A duration (``14d``, ``12h``, ``30m``; jobs.durations), or None for ``off``."""
+    """A duration above 0 (``14d``, ``12h``, ``30m``; jobs.durations), or None for ``off``."""
     value = os.environ.get(name, "").strip() or default
     if value.lower() == "off":
         return None
     try:
-        return durations.parse(value)
+        kept = durations.parse(value)
     except ValueError as exc:
         raise ImproperlyConfigured(f"{name}: {exc}, or off") from None
+    if not kept:  # 0s would delete what had just finished
+        raise ImproperlyConfigured(f"{name} must be longer than 0 ({durations.EXAMPLES}), or off")
+    return kept
 
 
 # Server-side prepared statements for the engine's hot path. Off behind a pooler that

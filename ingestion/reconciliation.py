@@ -5,14 +5,13 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from django.conf import settings
 from django.db import IntegrityError, transaction
 from django.db.models import QuerySet
 from django.db.models.functions import Now
 
 from jobs.exceptions import HoldfastError, InvalidJob, StateConflict
 from jobs.log import get_logger
-from jobs.retention import pruner
+from jobs.retention import kept_for, pruner
 from jobs.serialization import timestamp
 
 from .models import IssueKind, IssueStatus, ReconciliationIssue, Source
@@ -164,13 +163,13 @@ def issue_dict(issue: ReconciliationIssue) -> dict[str, Any]:
     }
 
 
-@pruner("resolved_issues")
+@pruner("resolved_issues", setting="HOLDFAST_RETAIN_RESOLVED_ISSUES")
 def prune_resolved(batch: int) -> int:
     """One batch of the issues resolved longer ago than ``HOLDFAST_RETAIN_RESOLVED_ISSUES``
     (``None``: kept forever), oldest first, through ``issue_resolved_idx``; open issues are
     never touched. Run by every scheduler's retention pass (``jobs.retention``): resolved
     issues piled up for ever, and every metrics scrape counted them all."""
-    kept = settings.HOLDFAST_RETAIN_RESOLVED_ISSUES
+    kept = kept_for("HOLDFAST_RETAIN_RESOLVED_ISSUES")
     if kept is None:
         return 0
     with transaction.atomic():

@@ -43,3 +43,19 @@ def check_default_lease(app_configs: Any = None, **kwargs: Any) -> list[checks.C
         return []
     message = f"HOLDFAST_LEASE_SECONDS: {problem.removeprefix('lease_seconds ')}"
     return [checks.Error(message, obj="HOLDFAST_LEASE_SECONDS", id="holdfast.E003")]
+
+
+@checks.register()
+def check_retention(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckMessage]:
+    """The retention settings (E004): each a timedelta above 0, at most a century, or
+    None. ``runscheduler`` and ``runworker --with-scheduler`` refuse to start on the same
+    (``retention.check_settings``)."""
+    from django.core.exceptions import ImproperlyConfigured
+
+    from . import retention
+
+    try:
+        retention.check_settings()
+    except ImproperlyConfigured as exc:
+        return [checks.Error(str(exc), obj="HOLDFAST_RETAIN_*", id="holdfast.E004")]
+    return []

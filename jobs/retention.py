@@ -19,10 +19,11 @@ from collections.abc import Callable, Iterator, Mapping
 from datetime import timedelta
 
 from django.conf import settings
+from django.core.exceptions import ImproperlyConfigured
 from django.db import transaction
 from django.db.models.functions import Now
 
-from . import sql
+from . import durations, sql
 from .log import get_logger
 from .models import FINISHED_STATES, Job, State
 
@@ -32,15 +33,44 @@ BATCH = 5000
 SCHEDULED_BATCHES = 20  # per state and scheduler pass: a pass never holds the loop long
 
 
+RETAIN_SETTINGS = {
+    State.SUCCEEDED: "HOLDFAST_RETAIN_SUCCEEDED",
+    State.CANCELLED: "HOLDFAST_RETAIN_CANCELLED",
+    State.DEAD: "HOLDFAST_RETAIN_DEAD",
+}
+
+
 def configured() -> dict[str, timedelta]:
     """The kept time of each finished state from the settings; a state set to ``off`` is
     kept forever (absent here)."""
-    kept = {
-        State.SUCCEEDED: settings.HOLDFAST_RETAIN_SUCCEEDED,
-        State.CANCELLED: settings.HOLDFAST_RETAIN_CANCELLED,
-        State.DEAD: settings.HOLDFAST_RETAIN_DEAD,
-    }
+    kept = {state: kept_for(name) for state, name in RETAIN_SETTINGS.items()}
     return {state.value: after for state, after in kept.items() if after is not None}
+
+
+def kept_for(name: str) -> timedelta | None:
+    """The retention setting ``name``: a timedelta above 0 and at most a century, or None
+    (kept for ever). Anything else is ImproperlyConfigured naming it: given in a settings
+    module rather than the environment, it is not checked on reading, and a wrong value
+    either failed every retention pass (an int, a string: the table then grows for ever)
+    or deleted what had just finished (0, negative)."""
+    value = getattr(settings, name)
+    if value is None:
+        return None
+    if not isinstance(value, timedelta) or not timedelta(0) < value <= durations.MAXIMUM:
+        raise ImproperlyConfigured(
+            f"{name} must be a timedelta above 0 and at most 36500 days, or None to keep "
+            f"for ever; got {value!r}"
+        )
+    return value
+
+
+def check_settings() -> None:
+    """Every retention setting, the registered pruners' included; ImproperlyConfigured
+    for the first that is wrong. Run where a scheduler starts, and by ``manage.py
+    check``."""
+    configured()
+    for setting in _pruner_settings.values():
+        kept_for(setting)
 
 
 def prune(
@@ -110,15 +140,20 @@ def signals_held() -> Iterator[None]:
 #: transaction; 0 when none is left. Registered with :func:`pruner`.
 Pruner = Callable[[int], int]
 _pruners: dict[str, Pruner] = {}
+_pruner_settings: dict[str, str] = {}
 
 
-def pruner(name: str) -> Callable[[Pruner], Pruner]:
+def pruner(name: str, setting: str | None = None) -> Callable[[Pruner], Pruner]:
     """Register ``func`` as the pruner called ``name``: every scheduler's retention pass
     runs it, in batches as the jobs' own, so an app's history (resolved reconciliation
-    issues, say) keeps a bounded size without a job of its own."""
+    issues, say) keeps a bounded size without a job of its own. ``setting``: the name of
+    its retention setting, checked as the jobs' own (:func:`kept_for`, which the pruner
+    reads it with)."""
 
     def register(func: Pruner) -> Pruner:
         _pruners[name] = func
+        if setting is not None:
+            _pruner_settings[name] = setting
         return func
 
     return register

@@ -146,6 +146,33 @@ def test_retention_removes_exactly_what_it_should(settings):
     assert list(OutcomeCount.objects.values_list("kind", "outcome", "count")) == counted
 
 
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("HOLDFAST_RETAIN_DEAD", 90),
+        ("HOLDFAST_RETAIN_SUCCEEDED", "14d"),
+        ("HOLDFAST_RETAIN_CANCELLED", timedelta(0)),
+        ("HOLDFAST_RETAIN_DEAD", timedelta(days=-1)),
+        ("HOLDFAST_RETAIN_RESOLVED_ISSUES", timedelta(days=40_000)),
+    ],
+)
+def test_a_retention_set_wrong_in_a_settings_module_is_refused_naming_it(settings, name, value):
+    """Given in Python, not the environment, the value was used as it came: an int or a
+    string failed every retention pass (the table grew for ever, a traceback per pass),
+    timedelta(days=-1) deleted every dead job at once (audit). ``check`` reports it, and a
+    scheduler refuses to start."""
+    setattr(settings, name, value)
+    finished(State.DEAD, timedelta(seconds=1))
+    with pytest.raises(CommandError, match=r"holdfast\.E004") as checked:
+        run("check")
+    assert name in str(checked.value)
+    for command in (("runscheduler", "--once"), ("runworker", "--burst", "--with-scheduler")):
+        assert exit_code(*command) == 2  # bad input: one line naming the setting
+        with pytest.raises(CommandError, match=f"{name} must be a timedelta above 0"):
+            run(*command)
+    assert Job.objects.filter(state=State.DEAD).count() == 1
+
+
 def test_retention_goes_in_batches_and_the_scheduler_comes_back_for_the_rest(settings):
     settings.HOLDFAST_RETAIN_SUCCEEDED = timedelta(days=1)
     for _ in range(5):

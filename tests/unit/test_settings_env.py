@@ -71,6 +71,15 @@ def test_a_retention_longer_than_a_century_is_refused(monkeypatch, value):
         env_duration("HOLDFAST_RETAIN_DEAD", "90d")
 
 
+@pytest.mark.parametrize("value", ["0s", "0d", "0.0h"])
+def test_a_retention_of_zero_is_refused(monkeypatch, value):
+    """It deleted every job of that state at the next pass, seconds after it finished,
+    before anyone could look at it (audit)."""
+    monkeypatch.setenv("HOLDFAST_RETAIN_DEAD", value)
+    with pytest.raises(ImproperlyConfigured, match="HOLDFAST_RETAIN_DEAD must be longer than 0"):
+        env_duration("HOLDFAST_RETAIN_DEAD", "90d")
+
+
 def test_the_spool_grace_is_read_from_the_environment(tmp_path):
     import os
     import subprocess

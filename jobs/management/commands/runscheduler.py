@@ -5,7 +5,7 @@ from typing import Any
 
 from django.core.management.base import CommandParser
 
-from jobs import scheduler, schedules
+from jobs import retention, scheduler, schedules
 from jobs.log import get_logger, json_logs
 from jobs.management.base import JobsCommand, refuse_unmigrated
 
@@ -21,6 +21,7 @@ class Command(JobsCommand):
 
     def handle(self, *args: Any, **options: Any) -> None:
         schedules.check_runnable()  # exit 2 naming a schedule that could never run
+        retention.check_settings()  # ... or a retention setting it cannot use
         refuse_unmigrated()
         if options["as_json"]:
             json_logs()

@@ -4,7 +4,7 @@ from django.core.management.base import CommandParser
 from django.db import DatabaseError
 
 from jobs import lanes as lane_config
-from jobs import schedules, workers
+from jobs import retention, schedules, workers
 from jobs.log import json_logs
 from jobs.management.base import JobsCommand, bad_input, refuse_unmigrated
 from jobs.models import Worker
@@ -67,6 +67,7 @@ class Command(JobsCommand):
             # As runscheduler: a schedule that could never run is refused here, not a
             # failing scheduler pass (with its traceback) twice a second while jobs run.
             schedules.check_runnable()
+            retention.check_settings()
         if options["as_json"]:
             json_logs()
         WorkerProcess(
