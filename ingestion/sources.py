@@ -9,10 +9,12 @@ many sources spread over the day instead of all firing at midnight.
 from __future__ import annotations
 
 import hashlib
+import ipaddress
 import math
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import urlsplit, urlunsplit
 
+import idna
 from django.core.exceptions import ImproperlyConfigured, ValidationError
 from django.core.validators import URLValidator, validate_slug
 from django.db import IntegrityError, transaction
@@ -69,6 +71,7 @@ def add_source(
     checked again when it connects: this is only the early answer).
     """
     _validate(name, kind, url, schedule, spacing, max_pages_per_run)
+    url = _with_ascii_host(url)
     _check_egress(url, allow_private)
     cron = schedule or spread_schedule(name)
     if Source.objects.filter(name=name).exists():
@@ -140,6 +143,34 @@ def _validate(
         )
     if not 1 <= max_pages <= MAX_PAGES_PER_RUN:
         raise InvalidJob(f"max pages per run must be from 1 to {MAX_PAGES_PER_RUN}")
+
+
+def _with_ascii_host(url: str) -> str:
+    """``url`` with its host as the DNS name that is fetched (IDNA 2008 with UTS 46: the
+    A-label, lower case) and a port from 1 to 65535. A host as typed could hide what is
+    fetched (a zero-width space, full-width letters: both resolve as ``example.com``);
+    one IDNA refuses (an invalid ``xn--`` label) could never be fetched, nor port 0."""
+    parts = urlsplit(url)
+    try:
+        port = parts.port
+    except ValueError:
+        port = 0
+    if port == 0 or (port is None and parts.netloc.endswith(":")):
+        raise InvalidJob(f"the URL's port must be a number from 1 to 65535: {url!r}")
+    host = parts.hostname or ""
+    try:
+        ipaddress.ip_address(host)
+        return url  # an address literal: no name to encode
+    except ValueError:
+        pass
+    try:
+        ascii_host = idna.encode(host, uts46=True).decode("ascii")
+    except idna.IDNAError as exc:
+        raise InvalidJob(f"the URL's host {host!r} is not a valid domain name: {exc}") from None
+    if ascii_host == parts.netloc.rsplit("@", 1)[-1].split(":")[0]:
+        return url
+    netloc = ascii_host if port is None else f"{ascii_host}:{port}"
+    return urlunsplit(parts._replace(netloc=netloc))
 
 
 def _check_egress(url: str, allow_private: bool) -> None:

@@ -33,7 +33,7 @@ from .exceptions import (
 from .log import get_logger
 from .models import HOLDS_ITS_KEY, Job, State
 from .options import lane_problem
-from .registry import HandlerSpec, get_handler
+from .registry import HandlerSpec, args_problem, fits, get_handler
 
 log = get_logger("jobs.enqueueing")
 
@@ -117,6 +117,18 @@ def enqueue(
     return jobs[0] if jobs else None
 
 
+def _check_args(spec: HandlerSpec, args_list: list[dict[str, Any]]) -> None:
+    """Args the handler cannot take are refused here, not a job that dies (PermanentError)
+    at its first run: a missing required argument, or one it does not accept."""
+    for index, args in enumerate(args_list):
+        if fits(spec.func, args):
+            continue
+        problem = args_problem(spec, args)
+        if problem is not None:
+            where = f"job {index} of {len(args_list)}: " if len(args_list) > 1 else ""
+            raise InvalidJob(where + problem)
+
+
 def enqueue_many(
     kind: str,
     args_list: Iterable[dict[str, Any]],
@@ -142,6 +154,7 @@ def enqueue_many(
         raise InvalidJob(problem)
     args_list = list(args_list)
     args_text = _args_array(args_list)
+    _check_args(spec, args_list)
     if unique_key is not None and unique_keys is not None:
         raise InvalidJob("give unique_key or unique_keys, not both")
     if unique_key is not None and len(args_list) > 1:

@@ -7,6 +7,7 @@ kinds without touching Holdfast.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import threading
 from collections.abc import Callable
@@ -39,6 +40,63 @@ class HandlerSpec:
     locks: LocksFunc | None = None
     unique: bool = False
     schedule: str | int | None = None
+
+
+@functools.cache
+def signature(func: Callable[..., Any]) -> inspect.Signature:
+    return inspect.signature(func)  # about 50 µs: once per handler, not once per job
+
+
+@functools.cache
+def _keywords(func: Callable[..., Any]) -> tuple[str, frozenset[str], frozenset[str], bool] | None:
+    """For a handler ``(ctx, <keyword parameters>, **kwargs)``: the name of its first
+    parameter (``ctx``), the names it takes by keyword, those without a default, and
+    whether it takes any other keyword (``**``).
+    None for any other shape (positional-only or ``*args`` parameters after ``ctx``)."""
+    params = list(signature(func).parameters.values())
+    if not params or params[0].kind not in (
+        inspect.Parameter.POSITIONAL_ONLY,
+        inspect.Parameter.POSITIONAL_OR_KEYWORD,
+    ):
+        return None
+    named, required, var_keyword = set(), set(), False
+    for param in params[1:]:
+        if param.kind is inspect.Parameter.VAR_KEYWORD:
+            var_keyword = True
+        elif param.kind in (
+            inspect.Parameter.POSITIONAL_OR_KEYWORD,
+            inspect.Parameter.KEYWORD_ONLY,
+        ):
+            named.add(param.name)
+            if param.default is inspect.Parameter.empty:
+                required.add(param.name)
+        else:
+            return None
+    return params[0].name, frozenset(named), frozenset(required), var_keyword
+
+
+def fits(func: HandlerFunc, args: dict[str, Any]) -> bool:
+    """Whether ``args`` plainly fit ``func(ctx, **args)``: every required keyword given,
+    none it does not take. A few set operations, for the hot paths (each enqueue, each
+    run); False also for shapes it does not decide, which ``args_problem`` binds."""
+    shape = _keywords(func)
+    if shape is None:
+        return False
+    first, named, required, var_keyword = shape
+    keys = args.keys()
+    return required <= keys and (var_keyword or keys <= named) and first not in keys
+
+
+def args_problem(spec: HandlerSpec, args: dict[str, Any]) -> str | None:
+    """Why the handler of ``spec`` cannot take ``args``, or None: what ``enqueue()``
+    refuses at once rather than a job that dies at its first run."""
+    if fits(spec.func, args):
+        return None
+    try:
+        signature(spec.func).bind(None, **args)
+    except TypeError as exc:
+        return f"args do not match handler {spec.kind!r}: {exc}"
+    return None
 
 
 _handlers: dict[str, HandlerSpec] = {}

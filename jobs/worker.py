@@ -36,7 +36,6 @@ import contextlib
 import contextvars
 import dataclasses
 import functools
-import inspect
 import os
 import signal
 import sys
@@ -67,7 +66,7 @@ from .exceptions import Cancelled, LeaseLost, PermanentError, TransactionLeftOpe
 from .log import bound_context, get_logger
 from .models import State
 from .notify import PollWaker, SideListener
-from .registry import HandlerSpec, all_handlers, autodiscover, get_handler
+from .registry import HandlerSpec, all_handlers, autodiscover, fits, get_handler, signature
 from .retry import DEFAULT_RETRY
 from .scheduler import SchedulerLoop
 from .sql import Claimed
@@ -839,62 +838,17 @@ def _retryable(exc: BaseException) -> bool:
     return sql.unavailable(exc)
 
 
-@functools.cache
-def _signature(func: Callable[..., Any]) -> inspect.Signature:
-    return inspect.signature(func)  # about 50 µs: once per handler, not once per job
-
-
-@functools.cache
-def _keywords(func: Callable[..., Any]) -> tuple[str, frozenset[str], frozenset[str], bool] | None:
-    """For a handler ``(ctx, <keyword parameters>, **kwargs)``: the name of its first
-    parameter (``ctx``), the names it takes by keyword, those without a default, and
-    whether it takes any other keyword (``**``).
-    None for any other shape (positional-only or ``*args`` parameters after ``ctx``)."""
-    params = list(_signature(func).parameters.values())
-    if not params or params[0].kind not in (
-        inspect.Parameter.POSITIONAL_ONLY,
-        inspect.Parameter.POSITIONAL_OR_KEYWORD,
-    ):
-        return None
-    named, required, var_keyword = set(), set(), False
-    for param in params[1:]:
-        if param.kind is inspect.Parameter.VAR_KEYWORD:
-            var_keyword = True
-        elif param.kind in (
-            inspect.Parameter.POSITIONAL_OR_KEYWORD,
-            inspect.Parameter.KEYWORD_ONLY,
-        ):
-            named.add(param.name)
-            if param.default is inspect.Parameter.empty:
-                required.add(param.name)
-        else:
-            return None
-    return params[0].name, frozenset(named), frozenset(required), var_keyword
-
-
 def _call(spec: HandlerSpec, ctx: JobContext, args: dict[str, Any]) -> Any:
     """Call the handler with the job's args, checked against its signature first: a
-    mismatch is a ``PermanentError`` and the handler never runs.
-
-    When the args plainly fit (every required keyword given, none it does not take) the
-    handler is called at once; anything else goes through ``inspect.Signature.bind``,
-    which decides and words the error (``_bind``)."""
-    shape = _keywords(spec.func)
-    if shape is not None:
-        first, named, required, var_keyword = shape
-        keys = args.keys()
-        if required <= keys and (var_keyword or keys <= named) and first not in keys:
-            return spec.func(ctx, **args)
-    bound = _bind(spec, ctx, args)
-    return spec.func(*bound.args, **bound.kwargs)
-
-
-def _bind(spec: HandlerSpec, ctx: JobContext, args: dict[str, Any]) -> inspect.BoundArguments:
-    """Check the job's args against the handler's signature before running it."""
+    mismatch is a ``PermanentError`` and the handler never runs (``enqueue()`` refuses
+    such args, but a job of an earlier release of the handler may still hold them)."""
+    if fits(spec.func, args):
+        return spec.func(ctx, **args)
     try:
-        return _signature(spec.func).bind(ctx, **args)
+        bound = signature(spec.func).bind(ctx, **args)
     except TypeError as exc:
         raise PermanentError(f"args do not match handler {spec.kind!r}: {exc}") from None
+    return spec.func(*bound.args, **bound.kwargs)
 
 
 def _handler_traceback(exc: BaseException) -> str:

@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import codecs
 import json
-import sys
 from collections.abc import Mapping
 from typing import IO, Any
 
 from rest_framework import parsers
 from rest_framework.exceptions import ParseError
+
+from jobs.strict_json import reason, strict_constant, unique_keys
 
 
 class JSONParser(parsers.JSONParser):
@@ -34,23 +35,4 @@ class JSONParser(parsers.JSONParser):
         except RecursionError:
             raise ParseError("JSON parse error - the body is nested too deeply") from None
         except ValueError as exc:
-            if "int_max_str_digits" in str(exc):  # Python's own limit, without its internals
-                limit = sys.get_int_max_str_digits()
-                raise ParseError(
-                    f"JSON parse error - a number has more than {limit} digits"
-                ) from None
-            raise ParseError(f"JSON parse error - {exc}") from None
-
-
-def strict_constant(name: str) -> Any:
-    """``NaN``, ``Infinity`` and ``-Infinity`` are not JSON (DRF's ``STRICT_JSON``)."""
-    raise ValueError(f"{name} is not valid JSON")
-
-
-def unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    found: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in found:
-            raise ValueError(f"the key {key!r} is given more than once")
-        found[key] = value
-    return found
+            raise ParseError(f"JSON parse error - {reason(exc)}") from None

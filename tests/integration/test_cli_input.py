@@ -39,6 +39,14 @@ def refused(*args: str) -> str:
     ("args", "reason"),
     [
         (["enqueue", "test.echo", "--args", "null"], "must be a JSON object, got null"),
+        # As the API's body parser: a key given twice is not "the last one wins" (audit).
+        (["enqueue", "test.echo", "--args", '{"n": 1, "n": 2}'], "the key 'n' is given more"),
+        (["enqueue", "test.echo", "--args", '{"n": NaN}'], "NaN is not valid JSON"),
+        (["enqueue", "test.echo", "--args", '{"n": ' + "9" * 5000 + "}"], "more than 4300 digits"),
+        (
+            ["enqueue", "test.flaky", "--args", "{}"],
+            "missing a required keyword-only argument: 'fail_times'",
+        ),
         (["enqueue", "test.echo", "--run-at", ""], "--run-at must not be empty"),
         (["enqueue", "test.echo", "--run-at", "2030-01-01T00:00:00"], "no UTC offset"),
         (["enqueue", "test.echo", "--run-at", "2030-01-01T00:00:00+25:00"], "not an ISO 8601"),

@@ -163,7 +163,7 @@ def test_an_attempt_is_logged_by_its_lease_row_alone():
 def test_events_stored_by_an_older_worker_are_shown_once():
     """Workers of 0.1 inserted claimed and settled rows (and left the lease's
     settled_state empty): during an upgrade both kinds of attempts are in one log."""
-    job = enqueueing.enqueue("test.flaky")
+    job = enqueueing.enqueue("test.flaky", {"fail_times": 0})
     old = claim_one("old")
     JobEvent.objects.create(job_id=job.pk, event="claimed", lease_token=1, worker_id="old")
     engine.fail(old, failure(), backoff_seconds=0)

@@ -373,6 +373,10 @@ def test_the_search_command_prints_hits_as_text_and_json(index):
     assert run_json("search", "albatross") == {"count": 0, "hits": []}
     # Unquoted words are one query, as typed into a search box (it was a usage error).
     assert run_json("search", "keeper", "wick", "--source", "docs") == data
+    # A word excluded as documented (`search cats -dogs`): a word, not an unknown option.
+    assert run_json("search", "keeper", "-wick", "--limit", "5") == {"count": 0, "hits": []}
+    assert run_json("search", "keeper", "-albatross")["count"] == 1
+    assert run_json("search", "-albatross") == {"count": 0, "hits": []}
 
 
 @pytest.mark.parametrize(

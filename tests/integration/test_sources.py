@@ -233,3 +233,35 @@ def test_a_source_whose_stored_schedule_is_refused_stops_alone(settings):
     assert Schedule.objects.get(name="discover:good").declared
     assert Schedule.objects.get(name="nightly").declared
     assert not Schedule.objects.get(name="discover:old").declared
+
+
+@pytest.mark.parametrize(
+    ("url", "stored"),
+    [
+        ("https://exa\u200bmple.com/feed", "https://example.com/feed"),  # a zero-width space
+        ("https://\uff45\uff58\uff41\uff4d\uff50\uff4c\uff45.com/", "https://example.com/"),
+        ("https://b\u00fccher.de:8443/x?y", "https://xn--bcher-kva.de:8443/x?y"),
+        ("https://example.com/feed", "https://example.com/feed"),
+    ],
+)
+def test_a_source_url_is_stored_with_the_host_that_is_fetched(url, stored):
+    """The host as typed could hide what is fetched: both above resolve as example.com
+    (audit). It is stored as its IDNA A-label, as the fetch sends it."""
+    source = sources.add_source("docs", "feed", url)
+    assert source.url == stored
+
+
+@pytest.mark.parametrize(
+    ("url", "reason"),
+    [
+        ("https://example.com:0/", "port must be a number from 1 to 65535"),
+        ("https://example.com:99999/", "port must be a number from 1 to 65535"),
+        ("https://xn--zz.com/", "is not a valid domain name"),
+    ],
+)
+def test_a_source_url_that_could_never_be_fetched_is_refused(url, reason):
+    """Port 0 was accepted (and checked against 443 for private addresses), an invalid
+    A-label too; a port out of range said Python's 'Port out of range 0-65535' (audit)."""
+    with pytest.raises(InvalidJob, match=reason):
+        sources.add_source("docs", "feed", url)
+    assert not Source.objects.exists()

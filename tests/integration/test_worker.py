@@ -7,7 +7,7 @@ from django.db import connection
 from django.db.models.functions import Now
 from structlog.testing import capture_logs
 
-from jobs import context, engine, enqueueing
+from jobs import InvalidJob, context, engine, enqueueing
 from jobs.context import JobContext
 from jobs.models import Job, Lease, Outcome, State, Worker
 from tests.testapp.models import Effect
@@ -39,8 +39,22 @@ def test_jobs_succeed_retry_and_die(run_worker):
     assert perm.last_error.startswith("jobs.exceptions.PermanentError")
 
 
-def test_args_that_do_not_fit_the_handler_are_a_permanent_error(run_worker):
-    job = enqueueing.enqueue("test.flaky", {"unexpected": 1})
+def test_args_that_do_not_fit_the_handler_are_refused_at_enqueue():
+    """A job that could only die at its first run is bad input (audit): an argument the
+    handler does not take, or a required one missing; for a batch, which job."""
+    with pytest.raises(InvalidJob, match=r"args do not match handler 'test\.flaky': .*unexpected"):
+        enqueueing.enqueue("test.flaky", {"fail_times": 1, "unexpected": 1})
+    with pytest.raises(InvalidJob, match="missing a required keyword-only argument: 'fail_times'"):
+        enqueueing.enqueue("test.flaky", {})
+    with pytest.raises(InvalidJob, match=r"^job 1 of 2: args do not match handler"):
+        enqueueing.enqueue_many("test.flaky", [{"fail_times": 1}, {}])
+    assert not Job.objects.exists()
+
+
+def test_args_a_handler_no_longer_takes_are_a_permanent_error(run_worker):
+    """A job enqueued for an earlier release of its handler, whose args it no longer takes."""
+    job = enqueueing.enqueue("test.flaky", {"fail_times": 0})
+    Job.objects.filter(pk=job.pk).update(args={"unexpected": 1})
     run_worker()
     job = Job.objects.get(pk=job.pk)
     assert job.state == State.DEAD and job.attempts == 1

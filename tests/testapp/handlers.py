@@ -184,8 +184,9 @@ def _resources(args: dict[str, Any]) -> list[str]:
 
 
 @handler("test.locked", backoff=0, max_attempts=20, lease_seconds=2, locks=_resources)
-def locked(ctx: JobContext, *, resources: list[str], seconds: float = 0.05) -> str:
-    """Holds its resource locks for ``seconds``, recording its span by the database clock."""
+def locked(ctx: JobContext, *, resources: list[str], seconds: float = 0.05, **labels: Any) -> str:
+    """Holds its resource locks for ``seconds``, recording its span by the database clock.
+    ``labels``: args the tests tell jobs apart by (and that COPY must carry exactly)."""
     with ctx.atomic():
         Span.objects.create(
             job_id=ctx.job_id,

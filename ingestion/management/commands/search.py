@@ -26,6 +26,16 @@ class Command(JobsCommand):
             help=f"at most this many hits (default {DEFAULT_LIMIT}, at most {MAX_LIMIT})",
         )
 
+    def create_parser(self, prog_name: str, subcommand: str, **kwargs: Any) -> CommandParser:
+        parser = super().create_parser(prog_name, subcommand, **kwargs)
+        parse = parser.parse_args
+
+        def parse_words_last(args: Any = None, namespace: Any = None) -> Any:
+            return parse(words_last(parser, list(args or ())), namespace)
+
+        parser.parse_args = parse_words_last  # type: ignore[method-assign]
+        return parser
+
     def handle(self, *args: Any, **options: Any) -> None:
         hits = [
             hit_dict(hit)
@@ -50,3 +60,25 @@ def hit_limit(text: str) -> int:
     if not 1 <= value <= MAX_LIMIT:
         raise argparse.ArgumentTypeError(f"--limit must be from 1 to {MAX_LIMIT}")
     return value
+
+
+def words_last(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
+    """``argv`` with the command's own options first and every other word after ``--``:
+    a query word such as ``-dogs`` (without the word) is not an option argparse does not
+    know (docs/sources.md: ``search cats -dogs``)."""
+    options: list[str] = []
+    words: list[str] = []
+    tokens = iter(argv)
+    for token in tokens:
+        if token == "--":
+            words.extend(tokens)
+            break
+        action = parser._option_string_actions.get(token.split("=", 1)[0])
+        if action is None or not token.startswith("-"):
+            words.append(token)
+            continue
+        options.append(token)
+        value = next(tokens, None) if "=" not in token and action.nargs != 0 else None
+        if value is not None:  # the option's value follows it
+            options.append(value)
+    return [*options, "--", *words] if words else options

@@ -1,9 +1,8 @@
-import json
 from typing import Any
 
 from django.core.management.base import CommandParser
 
-from jobs import timestamps
+from jobs import strict_json, timestamps
 from jobs.enqueueing import enqueue
 from jobs.management.base import JobsCommand, bad_input, decimal_number, whole_number
 from jobs.serialization import job_dict
@@ -27,11 +26,9 @@ class Command(JobsCommand):
 
     def handle(self, *args: Any, **options: Any) -> None:
         try:
-            job_args = json.loads(options["job_args"])
-        except json.JSONDecodeError as exc:
+            job_args = strict_json.loads(options["job_args"])
+        except ValueError as exc:
             raise bad_input(f"--args is not valid JSON: {exc}") from None
-        except RecursionError:
-            raise bad_input("--args is nested too deeply to be a job's arguments") from None
         if not isinstance(job_args, dict):  # null too: not "no arguments", but not an object
             kind = "null" if job_args is None else type(job_args).__name__
             raise bad_input(f"--args must be a JSON object, got {kind}")
