@@ -492,6 +492,10 @@ def _final_failure(exc: BaseException, ctx: JobContext) -> bool:
 
 
 def _json_result(raw: Any) -> Any:
+    """The task's return value as the job's result; PermanentError (inside the handled
+    block, so ``task_finished`` is sent) for one that is not JSON or that the database
+    cannot store (a NUL character, an unpaired surrogate: ``check_result``)."""
+    from .context import check_result
     from .enqueueing import ARGS_ENCODER
 
     try:
@@ -499,6 +503,7 @@ def _json_result(raw: Any) -> Any:
         ARGS_ENCODER.encode(value)  # strict: no NaN or Infinity either
     except (TypeError, ValueError) as exc:
         raise PermanentError(f"the task returned a value that is not JSON: {exc}") from None
+    check_result(value)
     return value
 
 

@@ -179,7 +179,13 @@ def exception_handler(exc: Exception, context: dict[str, Any]) -> Response | Non
         )
     elif isinstance(api_exc, exceptions.PermissionDenied):
         principal = getattr(request, "user", None)
-        log.info("api_forbidden", token=getattr(principal, "name", None), **where)
+        tokens.count_refusal("insufficient scope")
+        log.warning(
+            "api_forbidden",
+            token=getattr(principal, "name", None),
+            client=client_address(request),
+            **where,
+        )
     set_rollback()
     return Response(data, status=api_exc.status_code, headers=headers)
 

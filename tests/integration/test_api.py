@@ -27,6 +27,7 @@ from jobs.models import Job, State, Worker
 from jobs.serialization import job_detail_dict, job_dict, lease_dict
 from jobs.status import queue_status
 from ops import serializers, tokens
+from ops.models import AuthRefusal
 
 from .helpers import claim_one, failure
 
@@ -202,6 +203,9 @@ def test_a_read_token_may_get_but_not_post(client, world, api_tokens, method, te
         assert "WWW-Authenticate" not in response
         refused = [entry for entry in logs if entry["event"] == "api_forbidden"]
         assert [(e["token"], e["method"]) for e in refused] == [("reader", "POST")]
+        # An operator with LOG_LEVEL=WARNING sees it, and whence it came (it was info).
+        assert refused[0]["log_level"] == "warning" and refused[0]["client"]
+        assert AuthRefusal.objects.get(reason="insufficient scope").count == 1
     assert_unchanged(world)
 
 

@@ -122,6 +122,27 @@ def test_a_permanent_error_or_a_non_json_return_value_fails_at_once(run_worker):
         assert message in error.traceback
 
 
+def test_a_return_value_the_database_cannot_store_fails_the_task_and_says_so(run_worker):
+    """It failed after the handled block: the job went dead, but no ``task_finished`` was
+    sent (audit)."""
+    finished: list[tuple[str, str]] = []
+
+    def receive(sender: type, task_result: Any, **kwargs: Any) -> None:
+        finished.append((task_result.task.name, task_result.status))
+
+    task_finished.connect(receive)
+    try:
+        result = tasks.unstorable.enqueue()
+        assert run_worker() == 1
+    finally:
+        task_finished.disconnect(receive)
+    assert finished == [("unstorable", TaskResultStatus.FAILED)]
+    result.refresh()
+    assert result.status == TaskResultStatus.FAILED and result.attempts == 1
+    [error] = result.errors
+    assert "cannot be stored" in error.traceback
+
+
 def test_a_failed_attempt_is_retried_and_every_attempt_is_reported(run_worker):
     result = tasks.flaky.enqueue(fail_until=2)
     assert run_worker(worker_id="w1") == 1  # the retry waits for its backoff

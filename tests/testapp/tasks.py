@@ -79,6 +79,11 @@ def not_json() -> object:
     return object()
 
 
+@task
+def unstorable() -> dict[str, str]:
+    return {"text": "a\x00b"}  # JSON, but no database column holds a NUL
+
+
 @task(max_attempts=4, lease_seconds=7.5, locks=["reports"])
 def with_options(day: str) -> str:
     return day
