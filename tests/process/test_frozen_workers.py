@@ -116,6 +116,10 @@ def _check_recovery(
     assert (row_locked and cancelled is None) or (
         cancelled is not None and cancelled.state == State.RUNNING
     )
+    # The request was recorded in time. Withdrawn here, so that what follows checks the
+    # other worker completing the job: a requested cancel would end it at the reclaim
+    # (tests/integration/test_cancel_phases.py covers that).
+    Job.objects.filter(pk=job_id).update(cancel_requested=False)
 
     def locks_freed() -> bool:
         return not JobLock.objects.filter(job_id=job_id, lease_token=1).exists()
@@ -148,6 +152,9 @@ def _check_recovery(
             + frozen.events("lease_lost", during="job_dead")
             + frozen.events("lease_lost", during="handler")
             + frozen.events("lease_lost", during="job_released")  # its session was ended
+            # It heard the (withdrawn) cancel request once continued: its failed attempt
+            # would have settled the job cancelled.
+            + frozen.events("lease_lost", during="job_cancelled")
         ),
         20,
         message=frozen.describe,
