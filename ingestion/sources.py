@@ -155,7 +155,7 @@ def _with_ascii_host(url: str) -> str:
         port = parts.port
     except ValueError:
         port = 0
-    if port == 0 or (port is None and parts.netloc.endswith(":")):
+    if port == 0:
         raise InvalidJob(f"the URL's port must be a number from 1 to 65535: {url!r}")
     host = parts.hostname or ""
     try:
@@ -167,10 +167,8 @@ def _with_ascii_host(url: str) -> str:
         ascii_host = idna.encode(host, uts46=True).decode("ascii")
     except idna.IDNAError as exc:
         raise InvalidJob(f"the URL's host {host!r} is not a valid domain name: {exc}") from None
-    if ascii_host == parts.netloc.rsplit("@", 1)[-1].split(":")[0]:
-        return url
-    netloc = ascii_host if port is None else f"{ascii_host}:{port}"
-    return urlunsplit(parts._replace(netloc=netloc))
+    netloc = ascii_host if port is None else f"{ascii_host}:{port}"  # no user: refused
+    return url if netloc == parts.netloc else urlunsplit(parts._replace(netloc=netloc))
 
 
 def _check_egress(url: str, allow_private: bool) -> None:

@@ -33,7 +33,7 @@ from .exceptions import (
 from .log import get_logger
 from .models import HOLDS_ITS_KEY, Job, State
 from .options import lane_problem
-from .registry import HandlerSpec, args_problem, fits, get_handler
+from .registry import HandlerSpec, bind, fits, get_handler
 
 log = get_logger("jobs.enqueueing")
 
@@ -123,10 +123,11 @@ def _check_args(spec: HandlerSpec, args_list: list[dict[str, Any]]) -> None:
     for index, args in enumerate(args_list):
         if fits(spec.func, args):
             continue
-        problem = args_problem(spec, args)
-        if problem is not None:
+        try:
+            bind(spec, None, args)
+        except InvalidJob as exc:
             where = f"job {index} of {len(args_list)}: " if len(args_list) > 1 else ""
-            raise InvalidJob(where + problem)
+            raise InvalidJob(f"{where}{exc}") from None
 
 
 def enqueue_many(

@@ -17,7 +17,7 @@ from typing import Any
 from django.utils.module_loading import autodiscover_modules
 
 from . import options
-from .exceptions import UnknownKind
+from .exceptions import InvalidJob, UnknownKind
 from .retry import RetryPolicy, as_policy
 
 DEFAULT_MAX_ATTEMPTS = 10
@@ -78,7 +78,7 @@ def _keywords(func: Callable[..., Any]) -> tuple[str, frozenset[str], frozenset[
 def fits(func: HandlerFunc, args: dict[str, Any]) -> bool:
     """Whether ``args`` plainly fit ``func(ctx, **args)``: every required keyword given,
     none it does not take. A few set operations, for the hot paths (each enqueue, each
-    run); False also for shapes it does not decide, which ``args_problem`` binds."""
+    run); False also for shapes it does not decide, which ``bind`` decides."""
     shape = _keywords(func)
     if shape is None:
         return False
@@ -87,16 +87,14 @@ def fits(func: HandlerFunc, args: dict[str, Any]) -> bool:
     return required <= keys and (var_keyword or keys <= named) and first not in keys
 
 
-def args_problem(spec: HandlerSpec, args: dict[str, Any]) -> str | None:
-    """Why the handler of ``spec`` cannot take ``args``, or None: what ``enqueue()``
-    refuses at once rather than a job that dies at its first run."""
-    if fits(spec.func, args):
-        return None
+def bind(spec: HandlerSpec, ctx: Any, args: dict[str, Any]) -> inspect.BoundArguments:
+    """``args`` bound to the handler of ``spec``, for args ``fits`` did not decide;
+    InvalidJob saying why they cannot be (a required one missing, one it does not take).
+    ``enqueue()`` refuses such args; the worker fails a job that still holds them."""
     try:
-        signature(spec.func).bind(None, **args)
+        return signature(spec.func).bind(ctx, **args)
     except TypeError as exc:
-        return f"args do not match handler {spec.kind!r}: {exc}"
-    return None
+        raise InvalidJob(f"args do not match handler {spec.kind!r}: {exc}") from None
 
 
 _handlers: dict[str, HandlerSpec] = {}

@@ -227,10 +227,14 @@ def _row_waits_bounded(name: str) -> Iterator[None]:
     except OperationalError as exc:
         if not sql.is_lock_wait(exc):
             raise
+        ends = (
+            f"the server ends such a session within {SLOT_IDLE_LIMIT:g} s"
+            if sql.is_postgres()
+            else "it holds the database's write lock until it goes on or is killed"
+        )
         raise StateConflict(
             f"schedule {name!r} is locked by a scheduler's open transaction (it may be "
-            "frozen; the server ends such a session within "
-            f"{SLOT_IDLE_LIMIT:g} s): nothing changed, try again"
+            f"frozen; {ends}): nothing changed, try again"
         ) from None
 
 

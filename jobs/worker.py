@@ -62,11 +62,18 @@ from django.db import (
 from . import engine, notify, options, sql, workers
 from . import lanes as lane_config
 from .context import JobContext, check_result
-from .exceptions import Cancelled, LeaseLost, PermanentError, TransactionLeftOpen, UnknownKind
+from .exceptions import (
+    Cancelled,
+    InvalidJob,
+    LeaseLost,
+    PermanentError,
+    TransactionLeftOpen,
+    UnknownKind,
+)
 from .log import bound_context, get_logger
 from .models import State
 from .notify import PollWaker, SideListener
-from .registry import HandlerSpec, all_handlers, autodiscover, fits, get_handler, signature
+from .registry import HandlerSpec, all_handlers, autodiscover, bind, fits, get_handler
 from .retry import DEFAULT_RETRY
 from .scheduler import SchedulerLoop
 from .sql import Claimed
@@ -845,9 +852,9 @@ def _call(spec: HandlerSpec, ctx: JobContext, args: dict[str, Any]) -> Any:
     if fits(spec.func, args):
         return spec.func(ctx, **args)
     try:
-        bound = signature(spec.func).bind(ctx, **args)
-    except TypeError as exc:
-        raise PermanentError(f"args do not match handler {spec.kind!r}: {exc}") from None
+        bound = bind(spec, ctx, args)
+    except InvalidJob as exc:
+        raise PermanentError(str(exc)) from None
     return spec.func(*bound.args, **bound.kwargs)
 
 

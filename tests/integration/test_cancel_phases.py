@@ -187,12 +187,13 @@ def test_a_cancel_requested_of_an_attempt_that_died_ends_the_job_at_its_reclaim(
 
 
 def test_a_job_queued_with_a_cancel_request_its_attempt_missed_is_cancelled_unrun(
-    run_worker,
+    run_worker, tmp_path
 ) -> None:
     """The attempt's retry settle was decided a moment before the request reached its
     worker: the job went back to the queue with the request. Its next claim cancels it
     without running the handler."""
-    enqueueing.enqueue("test.cancellable")
+    ran = tmp_path / "ran"  # the handler writes it first thing
+    enqueueing.enqueue("test.cancellable", {"marker": str(ran)})
     claimed = claim_one("w1")
     assert operations.cancel(claimed.id).state == State.RUNNING
     engine.settle_and_claim(claimed, engine.failed(claimed, failure(), 0), None, None)
@@ -204,7 +205,9 @@ def test_a_job_queued_with_a_cancel_request_its_attempt_missed_is_cancelled_unru
     assert (job.state, job.attempts) == (State.CANCELLED, 1)  # the unrun claim is uncharged
     assert job.last_error.startswith("cancelled on request, made while an earlier attempt")
     assert [e.get("before_run") for e in logs if e["event"] == "job_cancelled"] == [True]
-    assert not Effect.objects.exists()
+    assert not ran.exists()
+    second = Lease.objects.get(job_id=job.pk, lease_token=2)
+    assert (second.outcome, second.settled_state) == (Outcome.CANCELLED, State.CANCELLED)
 
 
 def test_a_failed_attempt_after_a_cancel_request_ends_the_job_cancelled(run_worker) -> None:
