@@ -22,6 +22,7 @@ from .sql import Claimed
 log = get_logger("jobs.context")
 
 PROGRESS_INTERVAL = 1.0  # seconds: at most one progress write per job and second
+PROGRESS_NOTE_LENGTH = 1000  # characters of a progress note kept; the rest is cut off
 SIDE_HEARTBEAT_TIMEOUT = 10.0  # seconds ctx.heartbeat() waits for a renewal on its own
 
 
@@ -156,7 +157,11 @@ class JobContext:
         lock in the handler's transaction and leaves its settings alone. Otherwise it is
         the bare fenced statement, in the caller's transaction, which it never changes the
         settings of. (SQLite has one writer at a time, so there it joins the transaction.)
+        Once the job has completed there is no lease to renew, and it does nothing: DESIGN's
+        own example heartbeats after its ``complete=True`` block.
         """
+        if self.completed:
+            return
         try:
             if self.own_connection and connection.in_atomic_block and sql.is_postgres():
                 cancel_requested = self._heartbeat_elsewhere()
@@ -209,7 +214,11 @@ class JobContext:
             raise LeaseLost(
                 f"job {self.job_id} is no longer running under lease {self.lease_token}"
             )
-        self._pending_progress = (done, total, note)
+        if problem := progress_problem(done, total, note):
+            # Refused here, where the bug is: held back, it failed the next fenced block,
+            # ``complete=True`` included, with a raw database error (helper-29 #2).
+            raise ValueError(f"ctx.progress(): {problem}")
+        self._pending_progress = (done, total, note[:PROGRESS_NOTE_LENGTH])
         if time.monotonic() - self._progress_written_at >= PROGRESS_INTERVAL:
             self.flush_progress()
 
@@ -231,6 +240,22 @@ class JobContext:
         self._pending_progress = None
         self._progress_written_at = time.monotonic()
         return pending
+
+
+def progress_problem(done: Any, total: Any, note: Any) -> str | None:
+    """What keeps a progress report from being stored (as JSON, in both databases)."""
+    for name, value in (("done", done), ("total", total)):
+        if value is None and name == "total":
+            continue
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            return f"{name} must be a number, not {value!r}"
+        if isinstance(value, float) and not math.isfinite(value):
+            return f"{name} must be a finite number, not {value!r}"
+    if not isinstance(note, str):
+        return f"note must be a string, not {type(note).__name__}"
+    if problem := unstorable(note):
+        return f"note must not {problem}"
+    return None
 
 
 def check_result(result: Any) -> None:

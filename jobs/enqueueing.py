@@ -168,21 +168,11 @@ def enqueue_many(
     lease = _validated_lease_seconds(lease_seconds, spec)
     _validated_priority(priority)
     when = _run_at_expression(delay, run_at)
-    if chosen.max_queued is not None and not continuation:
-        queued = Job.objects.filter(lane=chosen.name, state=State.QUEUED).count()
-        if queued + len(args_list) > chosen.max_queued:
-            message = f"lane {chosen.name!r} is full ({queued} of {chosen.max_queued} queued)"
-            if len(args_list) > 1:  # a batch is refused whole: it may be what does not fit
-                message = (
-                    f"lane {chosen.name!r} has room for {max(0, chosen.max_queued - queued)} "
-                    f"more jobs ({queued} of {chosen.max_queued} queued), not "
-                    f"{len(args_list)}: nothing enqueued"
-                )
-            if chosen.on_full == "drop":
-                log.warning("job_dropped", kind=kind, lane=chosen.name, count=len(args_list))
-                return []
-            log.warning("lane_full", kind=kind, lane=chosen.name, error=message)
-            raise LaneFull(message)
+    if keys is None and spec.unique:
+        keys = [_args_key(kind, _args_json(args)) for args in args_list]
+    room_checked = chosen.max_queued is not None and not continuation
+    if room_checked and not _admitted(kind, chosen, args_list, keys):
+        return []  # dropped (on_full "drop"), logged
     locks = [_locks(spec, args) for args in args_list] if spec.locks else None
     options = {
         "kind": kind,
@@ -191,8 +181,6 @@ def enqueue_many(
         "max_attempts": attempts_budget,
         "lease_seconds": lease,
     }
-    if keys is None and spec.unique:
-        keys = [_args_key(kind, _args_json(args)) for args in args_list]
     if keys is None:  # no unique keys: plain inserts, one statement per chunk on PostgreSQL
         common = {**_field_defaults(), **options}
         created = jobs = _insert_new(common, args_list, args_text, locks, delay, run_at)
@@ -229,6 +217,42 @@ def enqueue_many(
             _notify(chosen.name)
     _log_enqueued(kind, chosen.name, created)
     return jobs
+
+
+def _admitted(
+    kind: str, chosen: lane_config.Lane, args_list: list[dict[str, Any]], keys: list[str] | None
+) -> bool:
+    """Whether the lane's ``max_queued`` has room for the jobs; ``False`` when they are
+    dropped (``on_full: "drop"``), ``LaneFull`` when refused.
+
+    Only the jobs that would be new count: a unique key an active job already holds
+    returns that job and adds nothing, so an idempotent producer repeating its keys is
+    never refused (or told its work was dropped) by a full lane. The count is read without
+    a lock (no producer waits on another's transaction): producers enqueueing at the same
+    moment can together overshoot the bound by their batches (docs/handlers.md).
+    """
+    assert chosen.max_queued is not None
+    new = len(args_list)
+    if keys is not None:
+        held = active_by_key(keys)
+        new = len({key for key in keys if key not in held})
+        if not new:
+            return True
+    queued = Job.objects.filter(lane=chosen.name, state=State.QUEUED).count()
+    if queued + new <= chosen.max_queued:
+        return True
+    message = f"lane {chosen.name!r} is full ({queued} of {chosen.max_queued} queued)"
+    if new > 1:  # a batch is refused whole: it may be what does not fit
+        message = (
+            f"lane {chosen.name!r} has room for {max(0, chosen.max_queued - queued)} "
+            f"more jobs ({queued} of {chosen.max_queued} queued), not "
+            f"{new}: nothing enqueued"
+        )
+    if chosen.on_full == "drop":
+        log.warning("job_dropped", kind=kind, lane=chosen.name, count=len(args_list))
+        return False
+    log.warning("lane_full", kind=kind, lane=chosen.name, error=message)
+    raise LaneFull(message)
 
 
 def _log_enqueued(kind: str, lane: str, created: list[Job]) -> None:
@@ -492,6 +516,15 @@ def _args_array(args_list: list[Any]) -> str:
     return f"[{', '.join(_args_json(args) for args in args_list)}]"
 
 
+def check_handler_args(spec: HandlerSpec, args: dict[str, Any]) -> None:
+    """Refuse (``InvalidJob``) args this handler cannot take, or cannot derive its locks
+    from: what every enqueue of them would refuse, said before the first one (a schedule's
+    args, at ``manage.py check`` and scheduler start)."""
+    _check_args(spec, [args])
+    if spec.locks:
+        _locks(spec, args)
+
+
 def check_args(args: Any) -> None:
     """Refuse (``InvalidJob``) args that enqueue would refuse, for declarations checked
     long before their first enqueue (a schedule's, at ``manage.py check``)."""
@@ -554,7 +587,11 @@ def _validated_lease_seconds(lease_seconds: float | None, spec: HandlerSpec) -> 
 
 
 def _validated_priority(priority: int) -> None:
-    if not isinstance(priority, int) or not -32768 <= priority <= 32767:
+    if (
+        isinstance(priority, bool)
+        or not isinstance(priority, int)
+        or not -32768 <= priority <= 32767
+    ):
         raise InvalidJob(f"priority must be an integer from -32768 to 32767, not {priority!r}")
 
 

@@ -186,7 +186,7 @@ def problems(providers: bool = True) -> list[str]:
         routable = False  # HOLDFAST_LANES itself is broken: holdfast.E001 says how
     else:
         routable = True
-    found_problems = (enqueue_problem(item, routable) for item in found.values())
+    found_problems = (enqueue_problem(item, routable, with_args=True) for item in found.values())
     return refused + [problem for problem in found_problems if problem]
 
 
@@ -211,20 +211,26 @@ class Routed(Protocol):
     def kind(self) -> str: ...
     @property
     def lane(self) -> str | None: ...
+    @property
+    def args(self) -> dict[str, Any]: ...
 
 
-def enqueue_problem(item: Routed, routable: bool = True) -> str | None:
+def enqueue_problem(item: Routed, routable: bool = True, with_args: bool = False) -> str | None:
     """Why this process could not enqueue the schedule's job, or None.
 
     Enqueue looks the kind up in this process's registry (``UnknownKind`` otherwise), so a
     kind handled only by workers elsewhere cannot be scheduled from here either: every
-    slot would fail. ``routable``: also resolve its lane as enqueue would.
+    slot would fail. ``routable``: also resolve its lane as enqueue would. ``with_args``:
+    also check that the handler takes the schedule's args and derives its locks from them
+    (a declaration's; every slot of one that does not would fail).
     """
     try:
         spec = get_handler(item.kind)
         if routable:
             lane_config.resolve(item.kind, item.lane, spec.lane)
-    except (UnknownKind, LaneRefused) as exc:
+        if with_args:
+            enqueueing.check_handler_args(spec, item.args)
+    except (UnknownKind, LaneRefused, InvalidJob) as exc:
         return f"schedule {item.name!r}: {exc}"
     return None
 

@@ -62,6 +62,7 @@ def test_enqueue_many_returns_jobs_in_order():
         ("test.echo", {}, {"delay": -1}, InvalidJob),
         ("test.echo", {}, {"max_attempts": 0}, InvalidJob),
         ("test.echo", {}, {"priority": 10**6}, InvalidJob),
+        ("test.echo", {}, {"priority": True}, InvalidJob),  # PostgreSQL: a raw cast error
         ("test.echo", {}, {"lane": "nowhere"}, LaneRefused),
     ],
 )
@@ -116,6 +117,24 @@ def test_a_batch_too_big_for_a_lane_says_how_much_room_is_left():
     )
     assert not Job.objects.exists()
     assert len(enqueue_many("test.echo", [{}, {}])) == 2
+
+
+@override_settings(HOLDFAST_LANES=LANES)
+def test_a_full_lane_returns_the_job_holding_a_repeated_unique_key():
+    """Only new jobs count against ``max_queued``: a key already held adds nothing. A
+    repeat was refused with ``LaneFull``, and on a ``drop`` lane answered ``None``
+    ("dropped") although its job existed (helper-29 #3)."""
+    first = enqueue("test.echo", unique_key="a")
+    enqueue("test.echo", unique_key="b")  # the lane is full now
+    assert enqueue("test.echo", unique_key="a").pk == first.pk
+    held = enqueue_many("test.echo", [{}, {}], unique_keys=["b", "a"])
+    assert [job.unique_key for job in held] == ["b", "a"]
+    with pytest.raises(LaneFull, match=r"is full \(2 of 2 queued\)"):
+        enqueue_many("test.echo", [{}, {}], unique_keys=["a", "c"])
+    dropped_lane = enqueue("test.noop", unique_key="n")
+    assert enqueue("test.noop", unique_key="n").pk == dropped_lane.pk
+    assert enqueue("test.noop", unique_key="other") is None
+    assert Job.objects.count() == 3
 
 
 def test_enqueue_many_with_unique_keys_dedupes_each_job_in_bulk(django_assert_max_num_queries):

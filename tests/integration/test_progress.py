@@ -84,3 +84,51 @@ def test_progress_rolled_back_with_the_handlers_own_transaction_is_written_again
     assert finished.state == "succeeded"
     assert finished.progress == {"done": 5, "total": 10, "note": "halfway"}
     assert [e["done"] for e in progress_events(job.pk)] == [5]
+
+
+@pytest.mark.parametrize(
+    ("call", "problem"),
+    [
+        ((float("nan"), 1), "done must be a finite number, not nan"),
+        ((1, float("inf")), "total must be a finite number, not inf"),
+        (("3", 10), "done must be a number, not '3'"),
+        ((True, 10), "done must be a number, not True"),
+        ((1, 2, "a\x00b"), "note must not contain a NUL character"),
+        ((1, 2, None), "note must be a string, not NoneType"),
+    ],
+)
+def test_a_progress_value_that_cannot_be_stored_is_refused_at_the_call(monkeypatch, call, problem):
+    """It was held back by the throttle, then failed the next fenced block with a raw
+    database error: the completion rolled back on every attempt until the job was dead
+    (helper-29 #2). Refused where the handler made it, the pending value stays good."""
+    monkeypatch.setattr(context, "PROGRESS_INTERVAL", 3600.0)
+    job = enqueueing.enqueue("test.echo")
+    ctx = JobContext(claim_one(), "w1")
+    ctx.progress(0, 2)
+    ctx.progress(1, 2, "half")
+    with pytest.raises(ValueError) as refused:
+        ctx.progress(*call)
+    assert str(refused.value) == f"ctx.progress(): {problem}"
+    with ctx.atomic(complete=True, result={"ok": True}):
+        pass
+    finished = Job.objects.get(pk=job.pk)
+    assert (finished.state, finished.progress) == (
+        "succeeded",
+        {"done": 1, "total": 2, "note": "half"},
+    )
+
+
+def test_a_long_note_is_cut_and_a_heartbeat_after_the_completion_does_nothing(
+    monkeypatch, django_capture_on_commit_callbacks
+):
+    """DESIGN §5's example heartbeats after its ``complete=True`` block: that raised
+    ``LeaseLost`` (a warning on every job) where there is no lease left to renew."""
+    monkeypatch.setattr(context, "PROGRESS_INTERVAL", 3600.0)
+    job = enqueueing.enqueue("test.echo")
+    ctx = JobContext(claim_one(), "w1")
+    ctx.progress(1, None, "x" * 5000)
+    with django_capture_on_commit_callbacks(execute=True), ctx.atomic(complete=True):
+        pass
+    ctx.heartbeat()
+    finished = Job.objects.get(pk=job.pk)
+    assert finished.progress == {"done": 1, "total": None, "note": "x" * 1000}

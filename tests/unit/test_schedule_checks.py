@@ -38,6 +38,10 @@ def schedule_errors() -> list[str]:
         ({**GOOD, "lane": "nolane"}, "unknown lane 'nolane'"),
         ({**GOOD, "lane": "media"}, "lane 'media' does not accept job kind 'test.echo'"),
         ({**GOOD, "args": {"x": float("nan")}}, "not JSON-serializable"),
+        # Args every enqueue refuses: each slot failed, from the first (helper-29 #1).
+        ({**GOOD, "kind": "test.fail", "args": {"mesage": "x"}}, "unexpected keyword argument"),
+        ({**GOOD, "kind": "test.flaky"}, "missing a required keyword-only argument: 'fail_times'"),
+        ({**GOOD, "kind": "test.locked", "args": {"resources": 7}}, "the locks of 'test.locked'"),
     ],
 )
 def test_a_schedule_that_could_never_run_is_an_error_naming_it(options, says):
