@@ -14,19 +14,47 @@ def check_lanes_and_schedules(app_configs: Any = None, **kwargs: Any) -> list[ch
     that does not exist or does not take the kind. ``runscheduler`` and ``runworker
     --with-scheduler`` refuse to start on the same schedules (``schedules.check_runnable``).
     """
-    from . import lanes, schedules
+    from . import lanes, registry, schedules
 
+    try:
+        registry.autodiscover()
+    except Exception as exc:  # an app's handlers.py refused: said, not a traceback
+        message = str(exc) or type(exc).__name__
+        return [checks.Error(message, obj="handlers", id="holdfast.E005")]
     errors: list[checks.CheckMessage] = []
     try:
         lanes.lanes()
     except (ValueError, TypeError) as exc:
         errors.append(checks.Error(str(exc), obj="HOLDFAST_LANES", id="holdfast.E001"))
+    else:
+        errors.extend(
+            checks.Error(problem, obj="handlers", id="holdfast.E005")
+            for problem in handler_lane_problems()
+        )
     # Not the providers: they read rows, and checks also run before ``migrate``.
     errors.extend(
         checks.Error(problem, obj="HOLDFAST_SCHEDULES", id="holdfast.E002")
         for problem in schedules.problems(providers=False)
     )
     return errors
+
+
+def handler_lane_problems() -> list[str]:
+    """A handler whose own ``lane=`` is not declared, or does not take its kind: every
+    enqueue of the kind without an explicit lane would be refused, first met by whatever
+    enqueues it (a request, a nightly job) rather than at deploy."""
+    from . import lanes, registry
+    from .exceptions import LaneRefused
+
+    found = []
+    for spec in registry.all_handlers():
+        if spec.lane is None:
+            continue
+        try:
+            lanes.resolve(spec.kind, None, spec.lane)
+        except LaneRefused as exc:
+            found.append(f"handler {spec.kind!r}: {exc}")
+    return found
 
 
 @checks.register()

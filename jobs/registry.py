@@ -123,7 +123,7 @@ def handler(
         raise ValueError(
             f"a job kind is a non-empty string of at most 200 printable characters: {kind!r}"
         )
-    problem = _options_problem(max_attempts, lease_seconds, backoff, lane, locks, schedule)
+    problem = _options_problem(max_attempts, lease_seconds, backoff, lane, locks, schedule, unique)
     if problem:
         raise ValueError(f"handler {kind!r}: {problem}")
 
@@ -156,23 +156,42 @@ def handler(
 
 
 def _shape_problem(func: Any) -> str | None:
-    """A handler is a plain function the worker calls and is done with: a coroutine or
-    generator function returns an object that never runs (each job would be dead with
-    "not JSON", its body never executed)."""
+    """A handler is a plain function the worker calls, with ``ctx``, and is done with: a
+    coroutine or generator function returns an object that never runs (each job would be
+    dead with "not JSON", its body never executed), also behind a decorator
+    (``functools.wraps``) or as a callable object's ``__call__``; a function that takes no
+    positional argument cannot take ``ctx`` (every enqueue of its kind would be refused)."""
     if not callable(func):
         return f"{func!r} is not callable"
-    if inspect.iscoroutinefunction(func) or inspect.isasyncgenfunction(func):
+    inner = inspect.unwrap(func)
+    call = None if inspect.isroutine(func) else type(func).__call__
+    shapes = [func, inner] + ([call] if call is not None else [])
+    if any(inspect.iscoroutinefunction(f) or inspect.isasyncgenfunction(f) for f in shapes):
         return "an async function cannot be a handler: the worker runs handlers synchronously"
-    if inspect.isgeneratorfunction(func):
+    if any(inspect.isgeneratorfunction(f) for f in shapes):
         return "a generator function cannot be a handler: its body would never run"
+    try:
+        signature(func).bind_partial(None)
+    except TypeError:
+        return "a handler takes the job's context as its first positional argument (ctx)"
+    except ValueError:
+        pass  # no signature to read (some built-ins): the worker's call will tell
     return None
 
 
 def _options_problem(
-    max_attempts: Any, lease_seconds: Any, backoff: Any, lane: Any, locks: Any, schedule: Any
+    max_attempts: Any,
+    lease_seconds: Any,
+    backoff: Any,
+    lane: Any,
+    locks: Any,
+    schedule: Any,
+    unique: Any,
 ) -> str | None:
     if locks is not None and not callable(locks):
         return f"locks must be a function of the job's args returning lock names, not {locks!r}"
+    if not isinstance(unique, bool):
+        return f"unique must be True or False, not {unique!r}"
     return (
         (None if lane is None else options.lane_problem(lane))
         or options.max_attempts_problem(max_attempts)

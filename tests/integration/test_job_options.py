@@ -7,6 +7,7 @@ the same failure)."""
 
 from __future__ import annotations
 
+import functools
 import importlib
 import math
 import os
@@ -93,6 +94,8 @@ HANDLER_OPTIONS = [
     ({"lane": ""}, "lane"),
     ({"lane": 5}, "lane"),
     ({"locks": ["a"]}, "locks"),
+    ({"unique": "yes"}, "unique must be True or False"),  # was taken as truthy
+    ({"unique": 1}, "unique must be True or False"),
 ]
 
 
@@ -122,6 +125,24 @@ def _generator(ctx: JobContext) -> Any:
     yield None
 
 
+class _AsyncCallable:
+    async def __call__(self, ctx: JobContext) -> None:
+        return None
+
+
+@functools.wraps(_coroutine)
+def _wrapped_coroutine(ctx: JobContext) -> Any:
+    return _coroutine(ctx)
+
+
+def _no_ctx() -> None:
+    return None
+
+
+def _keywords_only(*, item: int = 0) -> None:
+    return None
+
+
 @pytest.mark.parametrize(
     ("func", "why"),
     [
@@ -129,6 +150,11 @@ def _generator(ctx: JobContext) -> Any:
         (_async_generator, "an async function cannot be a handler"),
         (_generator, "a generator function cannot be a handler"),
         ("not a function", "is not callable"),
+        # Accepted before (helper-29 #5): each job dead, or every enqueue refused.
+        (_AsyncCallable(), "an async function cannot be a handler"),
+        (_wrapped_coroutine, "an async function cannot be a handler"),
+        (_no_ctx, "takes the job's context as its first positional argument"),
+        (_keywords_only, "takes the job's context as its first positional argument"),
     ],
 )
 def test_handler_refuses_what_the_worker_cannot_run(func: Any, why: str):

@@ -10,7 +10,7 @@ from django.core.exceptions import ImproperlyConfigured
 from django.test import override_settings
 from structlog.testing import capture_logs
 
-from jobs import scheduler, schedules
+from jobs import handler, registry, scheduler, schedules
 from jobs.checks import check_lanes_and_schedules
 from jobs.worker import WorkerProcess, _KeeperState
 
@@ -108,3 +108,39 @@ def test_a_schedule_that_fails_to_sync_after_the_start_is_one_line_with_backoff(
     assert [log["event"] for log in logs] == ["scheduler_misconfigured"] * 3
     assert [log["retry_in"] for log in logs] == [0.5, 1.0, 2.0]
     assert "discover:x" in logs[0]["error"] and "exc_info" not in logs[0]
+
+
+def test_a_handler_whose_own_lane_would_refuse_every_enqueue_is_an_error(monkeypatch):
+    """Accepted at import and by ``check``: each enqueue of the kind was refused, first met
+    by whatever enqueued it (helper-29 #5)."""
+    registry.autodiscover()
+    monkeypatch.setattr(registry, "_handlers", dict(registry._handlers))
+    handler("check.nolane", lane="nolane")(_take_ctx)
+    handler("check.media", lane="media")(_take_ctx)
+    handler("check.photo", lane="media")(_take_ctx)  # a lane that takes its kind: fine
+    with override_settings(HOLDFAST_LANES={**LANES, "media": {"kinds": ["check.photo"]}}):
+        errors = [e.msg for e in check_lanes_and_schedules() if e.id == "holdfast.E005"]
+    assert errors == [
+        "handler 'check.media': lane 'media' does not accept job kind 'check.media'",
+        "handler 'check.nolane': unknown lane 'nolane' (declared: default, media)",
+    ]
+
+
+def test_a_refused_handler_registration_is_an_error_not_a_traceback(monkeypatch):
+    """``manage.py check`` (and ``migrate``, which runs it) printed the ValueError of an
+    app's ``handlers.py`` as a traceback (helper-29 #6)."""
+
+    def refuse(name: str) -> None:
+        raise ValueError("handler 'app.job': max_attempts must be an integer from 1, not 0")
+
+    monkeypatch.setattr(registry, "_discovered", False)
+    monkeypatch.setattr(registry, "autodiscover_modules", refuse)
+    [error] = check_lanes_and_schedules()
+    assert (error.id, error.msg) == (
+        "holdfast.E005",
+        "handler 'app.job': max_attempts must be an integer from 1, not 0",
+    )
+
+
+def _take_ctx(ctx: object) -> None:
+    return None
