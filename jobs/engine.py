@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from typing import Any
 
-from django.db import DatabaseError, connection
+from django.db import DatabaseError, connection, transaction
 from django.db.models import QuerySet, Subquery
 from django.db.models.functions import Now
 from django.utils import timezone
@@ -231,8 +231,12 @@ def settle(job: Claimed, verdict: Verdict) -> None:
     """Write ``verdict`` for ``job``, fenced by its lease token; raise LeaseLost otherwise."""
     settled, _ = sql.settle_and_claim(job, verdict.how, None, None)
     _notify_freed(job, settled, None)  # inside ctx.atomic(complete=True): sent at its commit
-    if not _log_settled(job, verdict, settled):
+    if not settled:
+        _log_settled(job, verdict, settled)
         raise LeaseLost(f"job {job.id} is no longer running under lease {job.lease_token}")
+    # Inside a transaction (ctx.atomic(complete=True)) the settle may still roll back: its
+    # line is written when it commits, never for a success that did not happen.
+    transaction.on_commit(lambda: _log_settled(job, verdict, True))
 
 
 def settle_and_claim(

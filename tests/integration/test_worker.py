@@ -183,3 +183,25 @@ def test_concurrent_claims_never_share_a_job():
         thread.join()
     assert len(claimed) == 200 and len(set(claimed)) == 200
     assert Job.objects.filter(state="running", attempts=1, lease_token=1).count() == 200
+
+
+def test_a_completion_that_rolls_back_logs_no_success():
+    """``job_succeeded`` was written inside the completing transaction: a handler whose own
+    ``transaction.atomic()`` around ``ctx.atomic(complete=True)`` then failed showed a
+    success that never committed (helper-29 #9). It is written at the commit."""
+    from django.db import transaction
+
+    job = enqueueing.enqueue("test.echo")
+    ctx = JobContext(claim_one(), "w1")
+    with capture_logs() as logs:
+        with pytest.raises(RuntimeError), transaction.atomic():
+            with ctx.atomic(complete=True, result={"first": True}):
+                pass
+            raise RuntimeError("the handler's own block fails after the completion")
+        assert Job.objects.get(pk=job.pk).state == State.RUNNING
+        assert [e for e in logs if e["event"] == "job_succeeded"] == []
+        with ctx.atomic(complete=True, result={"second": True}):
+            pass
+    [line] = [e for e in logs if e["event"] == "job_succeeded"]
+    assert line["job_id"] == job.pk
+    assert Job.objects.get(pk=job.pk).result == {"second": True}
