@@ -436,6 +436,7 @@ def run_task(ctx: JobContext, **payload: Any) -> Any:
     """
     from .attempts import leases as attempts_of
     from .models import Job
+    from .worker import refuse_transaction_left_open
 
     job = Job.objects.filter(pk=ctx.job_id).first()
     leases = [] if job is None else attempts_of(job)
@@ -454,6 +455,10 @@ def run_task(ctx: JobContext, **payload: Any) -> Any:
         else:
             raw = task.call(*result.args, **result.kwargs)
         value = _json_result(raw)
+        # A task that returned inside a transaction: completing in it would never commit
+        # (PostgreSQL) or commit its half-done work (SQLite). The attempt fails here, where
+        # its signals are sent; it sent SUCCESSFUL for an attempt that then failed.
+        refuse_transaction_left_open()
     except BaseException as exc:
         # SystemExit and KeyboardInterrupt too (Django's backends record them as failures):
         # the worker's own shutdown never raises into a task, so whatever arrives here is

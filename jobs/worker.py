@@ -402,14 +402,7 @@ class WorkerProcess:
             if signal.getsignal(signum) is not self._on_signal_handler:
                 log.warning("signal_handler_replaced", signal=signal.Signals(signum).name)
                 signal.signal(signum, self._on_signal_handler)
-        if _transaction_left_open():
-            log.error("handler_left_transaction_open")
-            _discard_connection()
-            raise TransactionLeftOpen(
-                "the handler returned with a database transaction still open (an atomic "
-                "block never exited, autocommit turned off, or a raw BEGIN): it was rolled "
-                "back and its connection closed"
-            )
+        refuse_transaction_left_open()
 
     def _interrupted(self, job: Claimed, failure: engine.Failure) -> engine.Verdict:
         """The handler met a database fault, not a failure of its job: give it back."""
@@ -793,6 +786,21 @@ class WorkerProcess:
             connection.close()
         except Exception:
             log.exception("background_step_failed")
+
+
+def refuse_transaction_left_open() -> None:
+    """Raise ``TransactionLeftOpen`` (after rolling the transaction back with its
+    connection) if the handler returned inside a database transaction. The Django task
+    runner calls it too, before it completes the task in a transaction of its own, which
+    would nest in the open one and never commit."""
+    if _transaction_left_open():
+        log.error("handler_left_transaction_open")
+        _discard_connection()
+        raise TransactionLeftOpen(
+            "the handler returned with a database transaction still open (an atomic "
+            "block never exited, autocommit turned off, or a raw BEGIN): it was rolled "
+            "back and its connection closed"
+        )
 
 
 def _transaction_left_open() -> bool:

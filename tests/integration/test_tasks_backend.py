@@ -143,6 +143,36 @@ def test_a_return_value_the_database_cannot_store_fails_the_task_and_says_so(run
     assert "cannot be stored" in error.traceback
 
 
+def test_a_task_leaving_a_transaction_open_fails_each_attempt_and_says_so_once(run_worker):
+    """It sent ``task_finished`` SUCCESSFUL for attempts that then failed, and no FAILED at
+    the last (PostgreSQL); on SQLite its completion committed the half-done work and the
+    job ended succeeded (helper-29 #8). Both databases: each attempt fails, nothing of it
+    commits, one FAILED at the end."""
+    from tests.testapp.models import Effect
+
+    finished: list[str] = []
+
+    def receive(sender: type, task_result: Any, **kwargs: Any) -> None:
+        finished.append(task_result.status)
+
+    task_finished.connect(receive)
+    try:
+        result = tasks.leaves_a_transaction_open.enqueue("half-done")
+        assert run_worker() == 1
+        assert finished == []  # a retry follows: no signal
+        make_due(result.id)
+        assert run_worker() == 1
+    finally:
+        task_finished.disconnect(receive)
+    assert finished == [TaskResultStatus.FAILED]
+    result.refresh()
+    assert result.status == TaskResultStatus.FAILED and result.attempts == 2
+    assert [e.exception_class_path for e in result.errors] == [
+        "jobs.exceptions.TransactionLeftOpen"
+    ] * 2
+    assert not Effect.objects.filter(label="half-done").exists()
+
+
 def test_a_failed_attempt_is_retried_and_every_attempt_is_reported(run_worker):
     result = tasks.flaky.enqueue(fail_until=2)
     assert run_worker(worker_id="w1") == 1  # the retry waits for its backoff

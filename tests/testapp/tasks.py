@@ -131,3 +131,15 @@ def loses_its_database() -> None:
 
     lost = psycopg.OperationalError("server closed the connection unexpectedly")
     raise OperationalError(str(lost)) from lost
+
+
+@task(max_attempts=2)
+def leaves_a_transaction_open(label: str) -> str:
+    """Returns with autocommit off and a write pending: its transaction is never closed."""
+    from django.db import transaction
+
+    from tests.testapp.models import Effect
+
+    transaction.set_autocommit(False)
+    Effect.objects.create(job_id=0, attempt=0, lease_token=0, label=label)
+    return "looks fine"
