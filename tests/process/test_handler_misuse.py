@@ -111,6 +111,28 @@ def test_a_handler_replacing_sigterms_handler_leaves_the_worker_stoppable(
     worker.wait_for_event("worker_stopping", signal="SIGTERM")
 
 
+def test_a_thread_a_handler_left_running_does_not_keep_a_stopped_worker_alive(
+    workers: WorkerPool,
+) -> None:
+    """The interpreter waited for the thread at exit: the worker logged its stop and never
+    ended, and ``--burst`` never returned (helper-29 #7)."""
+    worker, job = _misuse(workers, "thread", State.SUCCEEDED)
+    worker.terminate()
+    assert worker.wait_exit(20) == 0, worker.describe()
+    [left] = worker.events("handler_threads_left")
+    assert left["threads"] == ["lingering"] and left["level"] == "warning"
+    assert job.attempts == 1
+
+
+def test_a_stopped_worker_whose_handlers_left_no_thread_says_nothing_of_threads(
+    workers: WorkerPool,
+) -> None:
+    worker, _ = _misuse(workers, "bind_context", State.SUCCEEDED)
+    worker.terminate()
+    assert worker.wait_exit(20) == 0, worker.describe()
+    assert not worker.events("handler_threads_left"), worker.describe()
+
+
 def test_what_a_handler_binds_to_the_log_context_ends_with_its_job(
     workers: WorkerPool,
 ) -> None:

@@ -4,6 +4,7 @@ import contextlib
 import ctypes
 import os
 import signal
+import threading
 import time
 from datetime import timedelta
 from typing import Any
@@ -320,7 +321,8 @@ def misuse(ctx: JobContext, *, how: str) -> Any:
     - ``replace_sigterm``: installs a SIGTERM handler that ignores the signal;
     - ``bind_context``: binds a key to the log context and never unbinds it;
     - ``fork``: forks; the child returns from the handler like its parent, which waits
-      for it and returns its exit status.
+      for it and returns its exit status;
+    - ``thread``: starts a thread that is not a daemon and sleeps for an hour.
     """
     if how == "nested_complete":
         with ctx.atomic(complete=True, result="outer"):
@@ -359,6 +361,8 @@ def misuse(ctx: JobContext, *, how: str) -> Any:
             return "the child's"
         _, status = os.waitpid(child, 0)
         return {"child_exit": os.waitstatus_to_exitcode(status)}
+    elif how == "thread":
+        threading.Thread(target=time.sleep, args=(3600,), name="lingering", daemon=False).start()
     return how
 
 

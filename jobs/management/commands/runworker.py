@@ -1,3 +1,7 @@
+import logging
+import os
+import sys
+import threading
 from typing import Any
 
 from django.core.management.base import CommandParser
@@ -5,12 +9,14 @@ from django.db import DatabaseError
 
 from jobs import lanes as lane_config
 from jobs import retention, schedules, workers
-from jobs.log import json_logs
+from jobs.log import get_logger, json_logs
 from jobs.management.base import JobsCommand, bad_input, refuse_unmigrated
 from jobs.models import Worker
 from jobs.worker import WorkerProcess
 
 MAX_WORKER_ID = Worker._meta.get_field("id").max_length or 200
+
+log = get_logger("jobs.worker")
 
 
 def refuse_twin(worker_id: str) -> None:
@@ -76,3 +82,19 @@ class Command(JobsCommand):
             burst=options["burst"],
             with_scheduler=options["with_scheduler"],
         ).run()
+        exit_despite_handler_threads()
+
+
+def exit_despite_handler_threads() -> None:
+    """Exit now if a handler left a thread running that is not a daemon: the interpreter
+    would wait for it at exit, so a stopped worker (its row already marked stopped, its
+    job settled) never ended, and ``--burst`` never returned (a deploy step that hangs
+    until it is killed). The threads are named in a warning first."""
+    left = [t for t in threading.enumerate() if not t.daemon and t is not threading.main_thread()]
+    if not left:
+        return
+    log.warning("handler_threads_left", threads=sorted(t.name for t in left))
+    logging.shutdown()  # flush every log handler: os._exit skips the interpreter's exit
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
