@@ -98,8 +98,8 @@ def is_task(path: str) -> bool:
         return False
     try:
         found = import_string(path)
-    except (ImportError, ValueError):
-        return False
+    except Exception:  # any module of an app may fail to import (LookupError: an app's
+        return False  # admin.py without django.contrib.admin): not a task, never a 500
     return isinstance(found, Task)
 
 

@@ -185,6 +185,13 @@ def test_an_unknown_kind_or_lane_filter_is_refused_not_an_empty_page(read_token,
     data = assert_json_error(request("POST", API + "dead-jobs/requeue/", write_token, **body), 404)
     assert "test.ecoh" in data["error"]
 
+    # A module of an installed app that fails to import (auth's admin.py, without the
+    # admin app: LookupError) is not a task: it was a 500 (helper-25 #1).
+    for module in ("django.contrib.auth.admin", "rest_framework.authtoken.admin"):
+        path = f"dead-jobs/?kind={module}.X"
+        data = assert_json_error(request("GET", API + path, read_token), 404)
+        assert f"{module}.X" in data["error"]
+
     for path in ("dead-jobs/?kind=test.echo", "dead-jobs/?lane=default&kind=test.echo"):
         response = request("GET", API + path, read_token)
         assert response.status_code == 200 and response.json()["jobs"] == []
