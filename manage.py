@@ -6,11 +6,15 @@ stderr and exit 2, like any other bad input (DESIGN §8), not a traceback; a dat
 error that reaches this far (Django's own commands, ``migrate`` or ``runserver``, against a
 server that is down) is one line and exit 1, as Holdfast's commands say it; and a closed
 pipe (``manage.py list_jobs | head``) ends the command quietly with exit 141, as a Unix
-tool killed by SIGPIPE would.
+tool killed by SIGPIPE would. ``--settings`` and ``--pythonpath`` are applied before the
+settings load (as Django's own utility does; loading them early here had ignored both),
+an unknown command is a usage error (one line, exit 2), and text the terminal's encoding
+cannot show is escaped rather than failing the command half-way through its output.
 """
 
 import os
 import sys
+from typing import Any
 
 EXIT_FAILED = 1
 EXIT_BAD_INPUT = 2
@@ -21,7 +25,6 @@ def main() -> None:
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "config.settings")
     try:
         from django.core.exceptions import ImproperlyConfigured
-        from django.core.management import execute_from_command_line
     except ImportError as exc:
         raise ImportError(
             "Couldn't import Django. Are you sure it's installed and "
@@ -32,9 +35,17 @@ def main() -> None:
     from django.conf import settings
     from django.db import Error as DatabaseError
 
+    for stream in (sys.stdout, sys.stderr):
+        if hasattr(stream, "reconfigure"):
+            stream.reconfigure(errors="backslashreplace")
     try:
-        settings.INSTALLED_APPS  # noqa: B018  (loads the settings: fail here, in one line)
-        execute_from_command_line(sys.argv)
+        _default_options(sys.argv[2:])
+        try:
+            settings.INSTALLED_APPS  # noqa: B018  (loads the settings: fail here, in one line)
+        except ImportError as exc:
+            module = os.environ["DJANGO_SETTINGS_MODULE"]
+            raise ImproperlyConfigured(f"cannot import settings {module!r}: {exc}") from None
+        _utility()(sys.argv).execute()
     except ImproperlyConfigured as exc:
         message = " ".join(str(exc).split()) or type(exc).__name__
         print(f"configuration error: {message}", file=sys.stderr)
@@ -52,6 +63,42 @@ def main() -> None:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         sys.exit(EXIT_BROKEN_PIPE)
+
+
+def _default_options(args: list[str]) -> None:
+    """Apply ``--settings`` and ``--pythonpath`` now, before anything reads the settings,
+    as ``ManagementUtility.execute`` does (a malformed command line is left to it)."""
+    from django.core.management.base import CommandError, CommandParser, handle_default_options
+
+    parser = CommandParser(add_help=False, allow_abbrev=False)
+    parser.add_argument("--settings")
+    parser.add_argument("--pythonpath")
+    try:
+        options, _ = parser.parse_known_args(args)
+    except CommandError:
+        return
+    handle_default_options(options)
+
+
+def _utility() -> type:
+    from django.core.management import ManagementUtility, get_commands
+
+    class Utility(ManagementUtility):
+        """Django's, but a misspelt command is a usage error: one line and exit 2 (Django
+        says two lines and exits 1, which a script reads as a failed operation)."""
+
+        def fetch_command(self, subcommand: str) -> Any:
+            commands = get_commands()
+            if subcommand not in commands:
+                import difflib
+
+                close = difflib.get_close_matches(subcommand, commands, n=1)
+                hint = f"did you mean {close[0]}?" if close else "manage.py help lists them"
+                print(f"unknown command {subcommand!r} ({hint})", file=sys.stderr)
+                sys.exit(EXIT_BAD_INPUT)
+            return super().fetch_command(subcommand)
+
+    return Utility
 
 
 if __name__ == "__main__":

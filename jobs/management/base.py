@@ -150,6 +150,9 @@ class JobsCommand(BaseCommand):
         parser.add_argument("--json", action="store_true", dest="as_json", help="print JSON")
 
     def create_parser(self, prog_name: str, subcommand: str, **kwargs: Any) -> CommandParser:
+        # No prefixes: ``requeue_dead --a`` meant ``--all``, and a new option sharing a
+        # prefix would silently change what an existing script's abbreviation does.
+        kwargs.setdefault("allow_abbrev", False)
         parser = super().create_parser(prog_name, subcommand, **kwargs)
         self.names = {
             action.dest: (action.option_strings[-1] if action.option_strings else action.dest)

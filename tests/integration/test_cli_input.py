@@ -194,6 +194,56 @@ def test_a_usage_error_is_one_line_on_stderr(worker_env, args):
 
 
 @pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        # Exit 1 and two lines before (helper-25 #4, #6).
+        (["requeue-dead", "--all"], "unknown command 'requeue-dead' (did you mean requeue_dead?)"),
+        (["help", "nosuch"], "unknown command 'nosuch' (manage.py help lists them)"),
+        (["requeue_dead", "--a"], "manage.py requeue_dead: error: unrecognized arguments: --a"),
+        # Ignored before: the command ran on the environment's settings (helper-25 #2).
+        (["list_jobs", "--settings=does.not.exist"], "configuration error: cannot import"),
+    ],
+)
+def test_a_misspelt_command_option_or_settings_module_is_one_line_and_exit_2(
+    worker_env, args, said
+):
+    done = manage(*args, env=worker_env)
+    assert done.returncode == 2, done.stderr
+    [line] = done.stderr.strip().splitlines()
+    assert line.startswith(said), line
+
+
+@pytest.mark.django_db(transaction=True)
+def test_settings_and_pythonpath_are_honoured(worker_env, tmp_path):
+    (tmp_path / "othersettings.py").write_text(
+        "from config.settings import *  # noqa\nHOLDFAST_LANES = {'default': {}, 'other': {}}\n"
+    )
+    done = manage(
+        "runworker", "--lanes", "other", "--burst", f"--pythonpath={tmp_path}",
+        "--settings=othersettings", env=worker_env,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+
+
+@pytest.mark.django_db(transaction=True)
+def test_text_the_terminal_cannot_encode_is_escaped_not_a_failure(worker_env):
+    """A latin-1 stdout failed ``show_job``/``list_jobs`` half-way with exit 2 "bad input"
+    at the first character it could not encode (helper-25 #5)."""
+    job = enqueueing.enqueue("test.echo", {"city": "Łódź — 東京"})
+    done = subprocess.run(
+        [sys.executable, "manage.py", "show_job", str(job.pk)],
+        cwd=REPO,
+        env={**worker_env, "PYTHONIOENCODING": "latin-1"},
+        capture_output=True,
+        encoding="latin-1",
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "\\u0141\xf3d\\u017a \\u2014 \\u6771\\u4eac" in done.stdout, done.stdout
+
+
+@pytest.mark.django_db(transaction=True)
 @pytest.mark.parametrize("command", [["runworker", "--burst"], ["runscheduler", "--once"]])
 def test_json_makes_the_log_of_a_long_running_command_json_lines(worker_env, command):
     done = manage(
