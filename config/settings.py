@@ -177,6 +177,8 @@ INSTALLED_APPS = [
 ]
 
 MIDDLEWARE = [
+    # A HEAD answer without its body (Django's WSGI handler leaves it in).
+    "ops.middleware.HeadWithoutBody",
     # Every answer JSON, DEBUG or not (ops.middleware).
     "ops.middleware.JsonErrors",
     "django.middleware.security.SecurityMiddleware",
@@ -186,6 +188,8 @@ MIDDLEWARE = [
     # both: a view added later is protected by default.
     "django.middleware.csrf.CsrfViewMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
+    # PostgreSQL: an API request's lock waits and statements end before gunicorn's timeout.
+    "ops.middleware.BoundedDatabaseWaits",
 ]
 
 ROOT_URLCONF = "config.urls"

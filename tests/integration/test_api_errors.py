@@ -259,3 +259,50 @@ def test_a_method_no_endpoint_takes_is_a_405_for_a_read_token_too(read_token, me
     assert_json_error(response, 405)
     assert response["Allow"] == "GET, HEAD, OPTIONS"
     assert_json_error(request("POST", API + "dead-jobs/requeue/", read_token), 403)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_request_behind_a_held_row_lock_answers_503_before_gunicorn_would_kill_it(
+    write_token, monkeypatch
+):
+    """PostgreSQL: a requeue behind a row lock (a frozen session holding the dead job)
+    waited until gunicorn killed the worker at 30 s: a 500, and the API hung meanwhile
+    (helper-26 #1). The request's lock waits end first: a 503 to retry."""
+    import time
+
+    import psycopg
+    from django.db import connection
+
+    from ops import middleware
+    from tests.conftest import database_url
+
+    from .test_api import make_dead_job
+
+    if connection.vendor != "postgresql":
+        pytest.skip("SQLite: the busy timeout (20 s) ends the wait, answered 503 already")
+    monkeypatch.setattr(middleware, "API_LOCK_TIMEOUT_MS", 300)
+    dead = make_dead_job()
+    with psycopg.connect(database_url(connection.settings_dict)) as holder:
+        holder.execute("SELECT 1 FROM jobs_job WHERE id = %s FOR UPDATE", [dead.pk])
+        started = time.monotonic()
+        response = request("POST", API + f"jobs/{dead.pk}/requeue/", write_token)
+        waited = time.monotonic() - started
+    assert_json_error(response, 503, "database_unavailable")
+    assert waited < 10, waited
+    response = request("POST", API + f"jobs/{dead.pk}/requeue/", write_token)
+    assert response.status_code == 200, response.content  # the lock gone, it goes through
+
+
+def test_a_head_answer_keeps_the_length_and_drops_the_body():
+    """Django's WSGI handler sent the body of a HEAD answer (gunicorn too): a keep-alive
+    client would read it as the next answer (helper-26 #4)."""
+    from django.http import HttpResponse
+    from django.test import RequestFactory
+
+    from ops.middleware import HeadWithoutBody
+
+    answer = HeadWithoutBody(lambda request: HttpResponse(b'{"ok": true}'))
+    head = answer(RequestFactory().head(API + "queue/"))
+    assert (head.content, head["Content-Length"]) == (b"", "12")
+    get = answer(RequestFactory().get(API + "queue/"))
+    assert get.content == b'{"ok": true}'
