@@ -365,17 +365,28 @@ LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
     "formatters": {"structlog": {"()": "jobs.log.StdlibFormatter"}},
+    "filters": {"client_fault": {"()": "jobs.log.ClientFaultAsWarning"}},
     "handlers": {
         "stderr": {
             "class": "logging.StreamHandler",
             "stream": "ext://sys.stderr",
             "formatter": "structlog",
-        }
+        },
+        # django.security: a client's suspicious request is a warning, no traceback.
+        "stderr_client_fault": {
+            "class": "logging.StreamHandler",
+            "stream": "ext://sys.stderr",
+            "formatter": "structlog",
+            "filters": ["client_fault"],
+        },
     },
     "root": {"handlers": ["stderr"], "level": LOG_LEVEL},
     "loggers": {
-        name: _TO_STDERR
-        for name in ("django", "django.request", "django.security", "django.server", "py.warnings")
+        **{
+            name: _TO_STDERR
+            for name in ("django", "django.request", "django.server", "py.warnings")
+        },
+        "django.security": {**_TO_STDERR, "handlers": ["stderr_client_fault"]},
     },
 }
 

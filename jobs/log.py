@@ -88,6 +88,19 @@ class StdlibFormatter(structlog.stdlib.ProcessorFormatter):
         )
 
 
+class ClientFaultAsWarning(logging.Filter):
+    """For ``django.security``'s records: a suspicious request (a ``Host`` not allowed,
+    too many fields, a body too large) is the client's fault and answered 400, so it is a
+    warning without a traceback, as every other 4xx is. Django logs each at error with its
+    traceback: any scanner could fill the error stream operators alert on."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno > logging.WARNING:
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
+        record.exc_info, record.exc_text = None, None
+        return True
+
+
 def configure(force: bool = False, fmt: str | None = None) -> None:
     """Set up structlog from the settings; ``fmt`` overrides ``LOG_FORMAT``."""
     global _configured

@@ -306,3 +306,31 @@ def test_a_head_answer_keeps_the_length_and_drops_the_body():
     assert (head.content, head["Content-Length"]) == (b"", "12")
     get = answer(RequestFactory().get(API + "queue/"))
     assert get.content == b'{"ok": true}'
+
+
+def test_a_host_not_allowed_is_a_warning_without_a_traceback():
+    """Django logs each at error with its traceback: any scanner filled the error stream
+    operators alert on (helper-26 #2). It is a client's 400, a warning like the others."""
+    import logging
+    import sys
+
+    from django.core.exceptions import DisallowedHost
+
+    try:
+        raise DisallowedHost("Invalid HTTP_HOST header: 'scanner.example'.")
+    except DisallowedHost:
+        exc_info = sys.exc_info()
+    from jobs.log import ClientFaultAsWarning
+
+    [handler] = [  # the stderr handler of django.security, where its children propagate
+        h
+        for h in logging.getLogger("django.security").handlers
+        if any(isinstance(f, ClientFaultAsWarning) for f in h.filters)
+    ]
+    record = logging.LogRecord(
+        "django.security.DisallowedHost", logging.ERROR, __file__, 1, "%s", (exc_info[1],), exc_info
+    )
+    assert handler.filter(record)
+    assert (record.levelname, record.exc_info) == ("WARNING", None)
+    line = handler.format(record)
+    assert "Traceback" not in line and "scanner.example" in line
