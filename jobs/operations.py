@@ -268,14 +268,18 @@ def cancel(job_id: int, actor: str = "operator") -> Job:
     except OperationalError as exc:
         if not sql.is_lock_wait(exc):
             raise
-        ends = (
-            "the server ends such sessions within one lease"
-            if sql.is_postgres()
-            else "other workers kill a frozen holder of the lock once its lease expired"
-        )
+        if not sql.is_postgres():
+            # SQLite's lock is the whole database's, held by any process (not this job's
+            # worker): the database is busy, which the API answers 503 (retry), not the
+            # 409 of a job whose state refuses it.
+            raise OperationalError(
+                "the database is locked by another process's open transaction (a frozen "
+                "one is killed by the workers once its lease expired): nothing changed, "
+                "try again"
+            ) from None
         raise StateConflict(
             f"job {job_id} is locked by an open transaction (its worker may be frozen; "
-            f"{ends}): nothing changed, try again"
+            "the server ends such sessions within one lease): nothing changed, try again"
         ) from None
 
 
