@@ -17,6 +17,7 @@ from contextlib import contextmanager
 from datetime import datetime, timedelta
 from typing import Any
 
+from django.conf import settings
 from django.db import (
     DatabaseError,
     IntegrityError,
@@ -290,10 +291,19 @@ class SchedulerLoop:
         self._synced = False
         self.unserved: set[int] = set()  # schedules this process cannot tick (``tick``)
         self.reclaim_hold = engine.ReclaimHold()
+        from .workers import FrozenHolderWatch  # it imports status, which imports this
+
+        self._frozen_watch = FrozenHolderWatch(float(settings.HOLDFAST_RECLAIM_SECONDS))
 
     def run(self) -> None:
         delay = 0.5
+        sqlite = not sql.is_postgres()
+        look_every = float(settings.HOLDFAST_RECLAIM_SECONDS)
+        if sqlite:  # a held write lock fails a pass in time for the next look
+            sql.sqlite_busy_timeout(int(look_every * 1000 / 2))
         while not self.stop.is_set():
+            if sqlite:
+                self._end_frozen_holder()
             try:
                 sleep = self.synced_pass()
                 delay = 0.5
@@ -309,8 +319,20 @@ class SchedulerLoop:
                 self.reclaim_hold.note(exc)
                 connection.close()
                 sleep, delay = delay, min(delay * 2, 30.0)
-            self.stop.wait(sleep)
+            self.stop.wait(min(sleep, look_every) if sqlite else sleep)
         connection.close()
+
+    def _end_frozen_holder(self) -> None:
+        """SQLite: one look of ``workers.FrozenHolderWatch`` at the database's write lock,
+        as each worker's lease keeper makes. A worker frozen (SIGSTOP) inside a
+        transaction holds that lock, and with it every write of the installation: with
+        one worker and this scheduler, nobody else looked, and its job stayed running
+        with every write refused until someone killed it by hand (I3)."""
+        try:
+            self._frozen_watch.check(str(connection.settings_dict["NAME"]))
+        except DatabaseError as exc:
+            log.warning("frozen_holder_check_failed", error=str(exc).strip())
+            connection.close()
 
     def synced_pass(self, between: Callable[[], None] | None = None) -> float:
         """A pass of a running loop: the first one syncs the schedule rows first (again

@@ -150,12 +150,16 @@ class FrozenHolderWatch:
     def check(self, database: str) -> list[str]:
         """One look; returns the ids of the workers killed (none, or the holder's)."""
         holder = write_lock_holder(database)
-        found = None
+        found = service = None
         if holder is not None and holder != os.getpid():
             found = _stopped_worker(holder)
-        if holder is None or found is None:
+            service = None if found is not None else _stopped_service(holder)
+        if holder is None or (found is None and service is None):
             self._suspect = None
             return []
+        if service is not None:
+            return self._after_patience(holder, service[1], service[0], "")
+        assert found is not None
         worker_id, started = found
         expires = ExpressionWrapper(Q(lease_expires_at__lt=Now()), output_field=BooleanField())
         running = dict(
@@ -172,6 +176,11 @@ class FrozenHolderWatch:
             return _kill_holder(worker_id, holder, expired, reason)
         if running:
             return []  # frozen inside its job: killed once its lease expires
+        return self._after_patience(holder, started, worker_id, ", running no job,")
+
+    def _after_patience(self, holder: int, started: float, name: str, doing: str) -> list[str]:
+        """Kill ``holder`` once it was found stopped with the lock at two looks
+        ``patience`` seconds or more apart (not paused a moment by a debugger's step)."""
         now = time.monotonic()
         if self._suspect != (holder, started):
             self._suspect, self._suspect_since = (holder, started), now
@@ -179,11 +188,11 @@ class FrozenHolderWatch:
         if now - self._suspect_since < self.patience:
             return []
         reason = (
-            f"it held the database's write lock while stopped (SIGSTOP or a debugger), "
-            f"running no job, for {now - self._suspect_since:.0f} s: SQLite has no server "
+            f"it held the database's write lock while stopped (SIGSTOP or a debugger)"
+            f"{doing} for {now - self._suspect_since:.0f} s: SQLite has no server "
             "to end its transaction"
         )
-        return _kill_holder(worker_id, holder, [], reason)
+        return _kill_holder(name, holder, [], reason)
 
 
 def _stopped_worker(pid: int) -> tuple[str, float] | None:
@@ -204,6 +213,47 @@ def _stopped_worker(pid: int) -> tuple[str, float] | None:
     if not matching:
         return None
     return max(matching)[1], started  # the row it registered last
+
+
+#: Holdfast's own processes that are not workers but write: a stopped one holding the lock
+#: is killed too (their transactions are crash-safe: a slot is enqueued once (I5), a spool
+#: batch is applied once or not at all (I6)). The ingester's writer is its child.
+SERVICES = ("runscheduler", "ingest_submissions")
+
+
+def _stopped_service(pid: int) -> tuple[str, float] | None:
+    """(a name such as ``runscheduler (pid 7)``, process start) if ``pid`` is a stopped
+    scheduler or ingester of this host (or a child of one); else None."""
+    process = process_state(pid)
+    if process is None or process[0] not in ("T", "t"):
+        return None
+    for candidate in (pid, _parent(pid)):
+        argv = _argv(candidate) if candidate else []
+        if (
+            argv[1:]
+            and Path(argv[0]).name in ("manage.py", "django-admin")
+            and (argv[1] in SERVICES)
+        ):
+            return f"{argv[1]} (pid {pid})", process[1]
+    return None
+
+
+def _argv(pid: int) -> list[str]:
+    """``pid``'s command line, the interpreter left out (``manage.py runscheduler …``)."""
+    try:
+        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return []
+    args = [arg.decode(errors="replace") for arg in raw.split(b"\0") if arg]
+    return args[1:] if args and "python" in Path(args[0]).name else args
+
+
+def _parent(pid: int) -> int | None:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        return int(stat[stat.rindex(")") + 2 :].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def _kill_holder(worker_id: str, pid: int, job_ids: list[int], reason: str) -> list[str]:

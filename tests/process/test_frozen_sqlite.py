@@ -10,6 +10,7 @@ test_frozen_workers.py.
 from __future__ import annotations
 
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -102,6 +103,32 @@ def test_a_worker_frozen_inside_ctx_atomic_is_killed_and_its_job_completed_once(
         proc.terminate()
         assert proc.wait_exit(20) == 0, proc.describe()
     assert_engine_invariants(job_ids=[job.pk, *others_jobs], context=workers.describe())
+
+
+def test_with_one_worker_the_scheduler_kills_it_when_it_freezes_inside_ctx_atomic(
+    workers: WorkerPool, tmp_path: Path
+) -> None:
+    """Only the other workers' lease keepers looked for a frozen holder: with one worker
+    and ``runscheduler`` (a small install's shape) the job stayed running, every write was
+    refused and a cancel answered "locked" until someone killed the worker by hand
+    (helper-27 #1). The scheduler looks too, as every reclaimer should."""
+    scheduler = workers.spawn("scheduler", "runscheduler")
+    scheduler.wait_for_event("scheduler_started", timeout=20)
+    worker = workers.start("w-only")
+    marker = tmp_path / "attempt-1"
+    job = _freezable(marker, pause_in_block=4 * LEASE)
+    wait_for_marker(Path(f"{marker}.in-block"), worker)
+    worker.stop()
+    frozen_at = time.monotonic()
+    assert worker.wait_exit(BOUND + SLACK) == -signal.SIGKILL, scheduler.describe()
+    assert time.monotonic() - frozen_at <= BOUND + SLACK
+    [killed] = scheduler.events("frozen_worker_killed")
+    assert (killed["worker_id"], killed["job_ids"]) == ("w-only", [job.pk])
+    enqueueing.enqueue("test.echo")  # writes go through again
+    again = workers.start("w-next")
+    _wait_succeeded([job.pk])
+    assert Job.objects.get(pk=job.pk).leases.get(lease_token=1).outcome == Outcome.LEASE_EXPIRED
+    assert again.alive and scheduler.alive, workers.describe()
 
 
 def test_a_frozen_holder_is_killed_in_time_by_a_worker_whose_own_heartbeats_it_blocks(
@@ -282,4 +309,65 @@ def test_a_stopped_process_that_is_not_a_worker_is_left_alone(
     time.sleep(3 * RECLAIM + 2 * LEASE)
     assert shell.alive and shell._is_stopped()
     assert not _killed(procs, "shell")
+    shell.kill()
+
+
+# Stands in for a scheduler or ingester stopped inside its transaction: named as one
+# (``manage.py runscheduler``), it takes the write lock, says so, and stops itself.
+FROZEN_SERVICE = """
+import os, signal, sqlite3
+from pathlib import Path
+
+db = sqlite3.connect({database!r}, isolation_level=None, timeout=5)
+db.execute("BEGIN IMMEDIATE")
+Path({marker!r}).write_text("holding")
+os.kill(os.getpid(), signal.SIGSTOP)
+"""
+
+
+@pytest.mark.parametrize("command", ["runscheduler", "ingest_submissions"])
+def test_a_scheduler_or_ingester_frozen_with_the_lock_is_killed_by_a_worker(
+    workers: WorkerPool, tmp_path: Path, command: str
+) -> None:
+    """Only workers (with a row) were killed: a frozen ``runscheduler`` or ingester held
+    every write of the installation for as long as it stayed stopped (helper-27 #2). Their
+    transactions are crash-safe (I5, I6), so a worker kills them as it kills a worker."""
+    from django.db import connection
+
+    watcher = workers.start("w-watch")
+    marker = tmp_path / "holding"
+    script = tmp_path / "manage.py"
+    script.write_text(
+        FROZEN_SERVICE.format(database=connection.settings_dict["NAME"], marker=str(marker))
+    )
+    service = WorkerProc(command, [sys.executable, str(script), command], workers.env, tmp_path)
+    workers.procs.append(service)
+    wait_for_marker(marker, service)
+    wait_until(service._is_stopped, 10, message=service.describe)
+    service.stopped = True
+    assert service.wait_exit(4 * RECLAIM + SLACK) == -signal.SIGKILL, watcher.describe()
+    [killed] = _killed([watcher], f"{command} (pid {service.pid})")
+    assert killed["job_ids"] == [] and "for " in str(killed["reason"])
+    job = enqueueing.enqueue("test.echo")
+    _wait_succeeded([job.pk])
+
+
+def test_a_stopped_process_that_is_no_holdfast_service_is_left_alone(
+    workers: WorkerPool, tmp_path: Path
+) -> None:
+    from django.db import connection
+
+    watcher = workers.start("w-watch")
+    marker = tmp_path / "holding"
+    script = tmp_path / "manage.py"
+    script.write_text(
+        FROZEN_SERVICE.format(database=connection.settings_dict["NAME"], marker=str(marker))
+    )
+    shell = WorkerProc("shell", [sys.executable, str(script), "shell"], workers.env, tmp_path)
+    workers.procs.append(shell)
+    wait_for_marker(marker, shell)
+    wait_until(shell._is_stopped, 10, message=shell.describe)
+    shell.stopped = True
+    time.sleep(4 * RECLAIM)
+    assert shell.alive and not _killed([watcher], f"shell (pid {shell.pid})")
     shell.kill()
