@@ -559,14 +559,26 @@ def _bound_waits(using: str, deadline: float | None) -> Iterator[None]:
             raw.execute(f"PRAGMA busy_timeout = {int(usual)}")
 
 
+#: PostgreSQL: a batch's transaction idle this long (its process frozen: SIGSTOP, a paused
+#: VM or container) is ended by the server, its row locks freed for other ingesters. A batch
+#: runs its statements back to back, with no wait between them.
+BATCH_IDLE_LIMIT = 10.0
+
+
 def _bound_statements(using: str, deadline: float | None) -> None:
-    if deadline is None or connections[using].vendor != "postgresql":
+    if connections[using].vendor != "postgresql":
         return
     execute(
         using,
-        "SELECT set_config('statement_timeout', %s, true)",
-        [f"{_remaining_ms(deadline)}ms"],
+        "SELECT set_config('idle_in_transaction_session_timeout', %s, true)",
+        [f"{int(BATCH_IDLE_LIMIT * 1000)}ms"],
     )
+    if deadline is not None:
+        execute(
+            using,
+            "SELECT set_config('statement_timeout', %s, true)",
+            [f"{_remaining_ms(deadline)}ms"],
+        )
 
 
 def _remaining_ms(deadline: float) -> int:

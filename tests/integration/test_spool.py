@@ -829,3 +829,33 @@ def test_a_fifo_where_a_reason_would_go_is_never_opened_for_reading(
         and name != "x.json.reason.json"
         for name in failed(the_spool)
     )
+
+
+def test_a_batch_transaction_is_ended_by_the_server_if_its_process_freezes(
+    transactional_db: None, the_spool: Spool, drop: Drop, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """PostgreSQL: an ingester frozen inside its batch (a paused VM, a stopped process
+    group) held its row locks for ever, and another ingester of the same facts was stuck
+    on them at every run (helper-27 #3). Its batch sets the idle limit the scheduler's
+    slots and handler blocks set, local to the transaction."""
+    from django.db import connection
+
+    from ingestion import spool
+
+    if connection.vendor != "postgresql":
+        pytest.skip("SQLite: workers and the scheduler kill a frozen holder of the lock")
+    seen: list[str] = []
+
+    def look() -> None:
+        with connection.cursor() as cursor:
+            cursor.execute("SHOW idle_in_transaction_session_timeout")
+            seen.append(cursor.fetchone()[0])
+
+    monkeypatch.setitem(spool.FAULTS, "db_error", look)
+    drop("a.json", submission())
+    entries = [read_entry(the_spool, name, Limits()) for name in incoming(the_spool)]
+    apply_batch([entry for entry in entries if entry is not None])
+    assert seen == ["10s"]
+    with connection.cursor() as cursor:  # local to the batch's transaction
+        cursor.execute("SHOW idle_in_transaction_session_timeout")
+        assert cursor.fetchone()[0] != "10s"
