@@ -17,7 +17,7 @@ from html.parser import HTMLParser
 from typing import Any
 from xml.parsers import expat
 
-from bs4.dammit import UnicodeDammit
+from bs4.dammit import EncodingDetector, UnicodeDammit
 from django.db import transaction
 
 from jobs.context import JobContext
@@ -48,6 +48,8 @@ TEXT_TYPES = {"text/plain"}
 UNWANTED_HTML = frozenset({"script", "style", "noscript", "template"})
 MAX_HTML_TAGS = 200_000  # a page's first tags: more is markup, not text worth indexing
 HTML_CHUNK = 65_536  # characters the parser reads at a time
+HTML_MAX_PENDING = 262_144  # characters of one unfinished construct kept between chunks
+HTML_CLOSE_PENDING = 4_096  # the longest remainder the parser's close() is given
 XML_CHUNK = 65_536  # bytes expat reads at a time
 
 
@@ -102,16 +104,38 @@ def extract_html(body: bytes, charset: str | None) -> Extracted:
     page's size (10 MB of ``<b>`` tags, 2 GB), so the parser keeps only the text, and stops
     once it holds more than the index takes (``MAX_TEXT_CHARS``) or has read
     ``MAX_HTML_TAGS`` tags. The body is decoded as a browser would (its declared or
-    sniffed charset, bs4's ``UnicodeDammit``)."""
-    markup = UnicodeDammit(body, [charset] if charset else [], is_html=True).unicode_markup or ""
+    sniffed charset: ``decoded_html``).
+
+    ``html.parser`` keeps an unfinished construct (a tag never closed) as pending input
+    and rescans it at every feed, and its ``close()`` takes time quadratic in it (Python
+    before 3.13.5, CVE-2025-6069: 120 KB of ``<a `` held a worker for three minutes, and a
+    page at the fetch cap would have held it for weeks). So pending input longer than
+    ``HTML_MAX_PENDING`` is dropped (the parser reads on from the next chunk), and
+    ``close()`` runs only on a short remainder: a page's text is never in either."""
+    markup = decoded_html(body, charset)
     parser = _HtmlText()
     for start in range(0, len(markup), HTML_CHUNK):
         parser.feed(markup[start : start + HTML_CHUNK])
         if parser.chars > 2 * MAX_TEXT_CHARS or parser.tags > MAX_HTML_TAGS:
             break  # enough: cleaning only shortens the text, and the index cuts it
+        if len(parser.rawdata) > HTML_MAX_PENDING:
+            parser.rawdata = ""  # an unfinished tag this long is not markup worth reading
     else:
-        parser.close()
+        if len(parser.rawdata) <= HTML_CLOSE_PENDING:
+            parser.close()
     return Extracted(" ".join(parser.title), " ".join(parser.text))
+
+
+def decoded_html(body: bytes, charset: str | None) -> str:
+    """The page as text: its declared charset (the header's, else a ``<meta>``'s), else
+    UTF-8 if it decodes as such, else windows-1252 (what browsers assume). ``UnicodeDammit``
+    alone guessed from byte statistics first: a Latin-1 page read as cp775 ("Cafķ"), a page
+    with a control byte as UTF-16 (its text lost to mojibake)."""
+    declared = charset or EncodingDetector.find_declared_encoding(body, is_html=True)
+    dammit = UnicodeDammit(
+        body, [declared] if declared else [], is_html=True, user_encodings=["utf-8", "windows-1252"]
+    )
+    return dammit.unicode_markup or ""
 
 
 class _HtmlText(HTMLParser):

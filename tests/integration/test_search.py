@@ -653,3 +653,32 @@ def test_the_migration_rebuilds_documents_indexed_the_old_way(index):
     finally:
         call_command("migrate", "ingestion", verbosity=0)
     assert urls("example") == [host.url]
+
+
+@pytest.mark.timeout(30)  # the old parser took minutes: a hang, not a figure
+@pytest.mark.parametrize("size", [120_000, 1_000_000])
+def test_an_unclosed_tag_flood_is_read_in_bounded_time_and_the_text_kept(size: int) -> None:
+    """``html.parser``'s close() is quadratic in an unfinished construct (Python before
+    3.13.5, CVE-2025-6069): 120 KB of ``<a `` held an index job for three minutes, and a
+    cancel was not heard meanwhile (helper-28 #1)."""
+    body = b"<title>t</title><p>before " + b"<a " * (size // 3) + b"</p><p>after</p>"
+    extracted = search.extract_html(body, None)
+    assert extracted.title == "t"
+    assert extracted.text.split()[:1] == ["before"] and extracted.text.split()[-1] == "after"
+
+
+@pytest.mark.parametrize(
+    ("body", "title"),
+    [
+        (b"<title>Caf\xe9</title>", "Café"),  # undeclared Latin-1: read as windows-1252
+        ("<title>Café — ok</title>".encode(), "Café — ok"),  # UTF-8
+        (b'<meta charset="iso-8859-2"><title>\xb1</title>', "ą"),  # the page's own charset
+        (b"<title>Evil \x1b RED</title><p>kangaroo</p>", "Evil \x1b RED"),  # not UTF-16
+    ],
+)
+def test_a_page_without_a_declared_charset_is_read_as_a_browser_would(
+    body: bytes, title: str
+) -> None:
+    """bs4's byte statistics came first: "Café" became "Cafķ" (cp775), and a control byte
+    made the page UTF-16 mojibake, its words never found (helper-25)."""
+    assert search.extract_html(body, None).title == title
