@@ -16,9 +16,6 @@ from django.db import DatabaseError, connection, transaction
 from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.middleware.common import CommonMiddleware
 
-from jobs import sql
-
-from .exceptions import DATABASE_UNAVAILABLE
 from .messages import not_found_message
 
 API_PREFIX = "/internal/v1/"
@@ -109,7 +106,7 @@ class BoundedDatabaseWaits:
         self.get_response = get_response
 
     def __call__(self, request: HttpRequest) -> HttpResponse:
-        if not request.path.startswith(API_PREFIX) or not sql.is_postgres():
+        if not request.path.startswith(API_PREFIX) or connection.vendor != "postgresql":
             return self.get_response(request)
         block = transaction.atomic()
         try:
@@ -132,6 +129,8 @@ class BoundedDatabaseWaits:
         try:
             block.__exit__(None, None, None)  # the commit
         except DatabaseError:
+            from .exceptions import DATABASE_UNAVAILABLE  # imports the models (holdfast.E010)
+
             connection.close()
             return JsonResponse(
                 {"error": DATABASE_UNAVAILABLE, "code": "database_unavailable"}, status=503

@@ -13,12 +13,13 @@ import json
 import math
 import re
 import signal
+import sys
 from collections.abc import Iterator
 from datetime import timedelta
-from typing import Any, NoReturn
+from typing import Any, NoReturn, TextIO
 
 from django.core.exceptions import ImproperlyConfigured
-from django.core.management.base import BaseCommand, CommandError, CommandParser
+from django.core.management.base import BaseCommand, CommandError, CommandParser, OutputWrapper
 from django.db import DatabaseError
 
 from jobs import durations
@@ -146,6 +147,18 @@ class JobsCommand(BaseCommand):
 
     requires_system_checks: list[str] = []
 
+    def __init__(
+        self,
+        stdout: TextIO | None = None,
+        stderr: TextIO | None = None,
+        no_color: bool = False,
+        force_color: bool = False,
+    ) -> None:
+        super().__init__(stdout, stderr, no_color, force_color)
+        self.stdout = PrintableOutput(stdout or sys.stdout)
+        self.stderr = PrintableOutput(stderr or sys.stderr)
+        self.stderr.style_func = self.style.ERROR  # as Django's (plain without colour)
+
     def add_arguments(self, parser: CommandParser) -> None:
         parser.add_argument("--json", action="store_true", dest="as_json", help="print JSON")
 
@@ -163,6 +176,9 @@ class JobsCommand(BaseCommand):
         return parser
 
     def execute(self, *args: Any, **options: Any) -> str | None:
+        for name in ("stdout", "stderr"):  # call_command(stdout=…): ours, not Django's
+            if options.get(name):
+                setattr(self, name, PrintableOutput(options.pop(name)))
         try:
             self.check_text(options)
             return super().execute(*args, **options)
@@ -196,6 +212,30 @@ class JobsCommand(BaseCommand):
 
     def emit_json(self, data: Any) -> None:
         self.stdout.write(json.dumps(data, indent=2, default=str))
+
+
+#: Control characters a terminal acts on (ESC sequences set the title, clear the screen,
+#: recolour; a carriage return overwrites the line): C0 but newline and tab, DEL, C1.
+CONTROL_CHARACTERS = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def printable(text: str) -> str:
+    """``text`` with each control character a terminal would act on written as
+    ``\\u001b`` (also a valid escape inside a JSON string, so ``--json`` output stays
+    the same document)."""
+    return CONTROL_CHARACTERS.sub(lambda found: f"\\u{ord(found.group()):04x}", text)
+
+
+class PrintableOutput(OutputWrapper):
+    """A command's stdout or stderr that never passes a control character through: the
+    text it prints comes from outside (a fetched page's title, a spool file's name, a
+    job's error, an operator's mistyped argument), and raw, an escape sequence in it took
+    over the operator's terminal. The command's own styles are applied after."""
+
+    def write(  # type: ignore[override]  # OutputWrapper's own signature (django-stubs)
+        self, msg: str = "", style_func: Any = None, ending: str | None = None
+    ) -> None:
+        super().write(printable(msg), style_func, ending)
 
 
 def one_line_error(parser: CommandParser, message: str) -> NoReturn:

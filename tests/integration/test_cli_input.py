@@ -324,3 +324,25 @@ def test_enqueue_into_a_lane_that_drops_prints_json_with_json(settings):
     }
     assert run("enqueue", "test.echo").strip() == "dropped: the lane is full and drops new jobs"
     assert Job.objects.count() == 1
+
+
+def test_text_from_outside_reaches_the_terminal_without_its_control_characters():
+    """A spool file's name (or a fetched page's title, a job's error) printed raw: an
+    escape sequence in it set the terminal's title, cleared the screen, recoloured it
+    (helper-25 #3). Written as ``\\u001b``; ``--json`` decodes to the same text."""
+    from ingestion import reconciliation
+
+    subject = "nl\nx\x1b]0;pwned\x07\x1b[2J\x9b31m.json"
+    reconciliation.record("quarantined_submission", subject)
+    shown = run("list_reconciliation_issues")
+    assert "\x1b" not in shown and "\x07" not in shown and "\x9b" not in shown
+    assert "\\u001b]0;pwned\\u0007\\u001b[2J\\u009b31m.json" in shown
+    [issue] = run_json("list_reconciliation_issues")["issues"]
+    assert issue["subject"] == subject
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_refusal_echoing_its_input_writes_no_control_character(worker_env):
+    done = manage("enqueue", "no.such\x1b[2J.kind", env=worker_env)
+    assert done.returncode == 2, done.stderr
+    assert "\x1b" not in done.stderr and "[2J.kind" in done.stderr, done.stderr
