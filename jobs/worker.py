@@ -59,7 +59,7 @@ from django.db import (
     connections,
 )
 
-from . import engine, notify, options, sql, workers
+from . import engine, handover, notify, options, sql, workers
 from . import lanes as lane_config
 from .context import JobContext, check_result
 from .exceptions import (
@@ -730,6 +730,9 @@ class WorkerProcess:
                 return  # settled meanwhile, maybe with the next job claimed: look again
         except DatabaseError as exc:
             log.error("release_failed", **engine.job_log_context(job), error=_one_line(exc))
+            held_by_handler = isinstance(exc, OperationalError) and sql.is_lock_wait(exc)
+            if held_by_handler and not sql.is_postgres():  # the handler's own transaction
+                handover.hand_over_release(job, self.worker_id)
         self._quietly(lambda: workers.worker_stopped(self.worker_id))
         sys.stderr.flush()
         os._exit(0)

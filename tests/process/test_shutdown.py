@@ -127,3 +127,32 @@ def test_sigterm_stops_an_idle_worker_promptly(workers: WorkerPool) -> None:
     assert worker.wait_exit(timeout=10) == 0, worker.describe()
     assert time.monotonic() - sent < 3, worker.describe()
     assert worker.events("worker_exiting", processed=0)
+
+
+def test_sigterm_releases_uncharged_a_job_whose_grace_ends_inside_ctx_atomic(
+    workers: WorkerPool, tmp_path: Path
+) -> None:
+    """SQLite: the handler's open block holds the database's write lock, so the release
+    could not be written; the worker exited anyway, the lease expired and the attempt was
+    charged: with one attempt allowed the job went dead on a routine restart (helper-27
+    #4). The release is handed to a process that writes it once the exit frees the lock.
+    PostgreSQL writes it at once (the release waits for the job row only)."""
+    from django.utils import timezone
+
+    from tests.testapp.models import Document
+
+    document = Document.objects.create(url="https://example.test/g", refresh_after=timezone.now())
+    marker = tmp_path / "attempt"
+    args = {"document_id": document.pk, "resources": ["grace:1"], "marker": str(marker)}
+    job = enqueue("test.freezable", {**args, "pause_in_block": 20}, max_attempts=1)
+    worker = workers.start("w1", env={"HOLDFAST_SHUTDOWN_GRACE_SECONDS": "1"})
+    wait_for_marker(Path(f"{marker}.in-block"), worker)
+    worker.terminate()
+    assert worker.wait_exit(timeout=15) == 0, worker.describe()
+    worker.wait_for_event("shutdown_grace_expired", job_id=job.pk)
+    wait_for_job(job.pk, State.QUEUED, workers, timeout=15)
+    job.refresh_from_db()
+    assert (job.attempts, job.max_attempts, job.leased_by) == (0, 1, None), job_summary([job.pk])
+    (lease,) = Lease.objects.filter(job_id=job.pk)
+    assert (lease.lease_token, lease.outcome) == (1, Outcome.RELEASED)
+    assert not Effect.objects.filter(job_id=job.pk).exists()  # the block never committed
