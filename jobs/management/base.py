@@ -238,6 +238,13 @@ class PrintableOutput(OutputWrapper):
         super().write(printable(msg), style_func, ending)
 
 
+def write_controls(output: OutputWrapper, text: str) -> None:
+    """Write ``text`` holding the command's own control sequences (a status line redrawn
+    in place), unstyled and as it is: ``PrintableOutput`` would escape them."""
+    OutputWrapper.write(output, text, style_func=str, ending="")
+    output.flush()
+
+
 def one_line_error(parser: CommandParser, message: str) -> NoReturn:
     """argparse's error, as one line (its usage block went before the reason)."""
     if not parser.called_from_command_line:

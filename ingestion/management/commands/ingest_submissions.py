@@ -6,7 +6,14 @@ from django.core.management.base import CommandParser
 
 from ingestion import ingester
 from ingestion.spool import Overdue, Spool, Stuck, grace_seconds
-from jobs.management.base import JobsCommand, bad_input, decimal_number, failed, whole_number
+from jobs.management.base import (
+    JobsCommand,
+    bad_input,
+    decimal_number,
+    failed,
+    whole_number,
+    write_controls,
+)
 
 MAX_WORKERS = 64  # reader processes; more only compete for the same cores
 
@@ -94,6 +101,5 @@ class Command(JobsCommand):
         )
 
     def _write_progress(self, text: str) -> None:
-        # Unstyled: on a terminal Django would colour everything on stderr as an error.
-        self.stderr.write(text, style_func=str, ending="")
-        self.stderr.flush()
+        # Unstyled (Django would colour all of stderr as an error), its \r and erase kept.
+        write_controls(self.stderr, text)
