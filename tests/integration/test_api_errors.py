@@ -334,3 +334,34 @@ def test_a_host_not_allowed_is_a_warning_without_a_traceback():
     assert (record.levelname, record.exc_info) == ("WARNING", None)
     line = handler.format(record)
     assert "Traceback" not in line and "scanner.example" in line
+
+
+def test_the_schema_refuses_the_blank_strings_the_server_refuses(read_token):
+    """The patterns said only "no NUL": a client checking its requests against the
+    schema sent a lane, kind or comment of white space alone and met a 400 (schemathesis
+    ST202, helper-26 #5). Python's whitespace is what the server trims."""
+    import re
+
+    schema = request("GET", API + "schema/", read_token, headers={"Accept": "application/json"})
+    assert schema.status_code == 200, schema.content[:200]
+    patterns: set[str] = set()
+
+    def walk(node: Any) -> None:
+        if isinstance(node, dict):
+            if isinstance(node.get("pattern"), str):
+                patterns.add(node["pattern"])
+            for value in node.values():
+                walk(value)
+        elif isinstance(node, list):
+            for value in node:
+                walk(value)
+
+    walk(json.loads(schema.content))
+    assert patterns
+    spaces = "".join(chr(c) for c in range(0x110000) if chr(c).isspace())
+    for pattern in patterns:
+        for blank in [" ", "\u3000", "\x85", "\x0b", spaces]:
+            assert re.fullmatch(pattern, blank) is None, (pattern, blank)
+        for text in ["default", " a ", "x\u3000y", "é"]:
+            assert re.fullmatch(pattern, text), (pattern, text)
+        assert re.fullmatch(pattern, "a\x00b") is None
