@@ -189,11 +189,11 @@ def extract_xml(body: bytes) -> Extracted:
     parser = listings.defused_expat()
     parser.StartElementHandler = reader.start
     parser.EndElementHandler = reader.end
-    parser.CharacterDataHandler = reader.chars.append
+    parser.CharacterDataHandler = reader.data
     try:
         for start in range(0, len(body), XML_CHUNK):
             parser.Parse(body[start : start + XML_CHUNK], False)
-            if reader.size > 2 * MAX_TEXT_CHARS:
+            if reader.size + reader.pending > 2 * MAX_TEXT_CHARS:
                 break  # enough: cleaning only shortens the text, and the index cuts it
         else:
             parser.Parse(b"", True)
@@ -208,11 +208,14 @@ def extract_xml(body: bytes) -> Extracted:
 class _XmlText:
     """Collects a document's text nodes, and its first ``title``'s, as expat reports them.
 
-    Character data between two tags is one text node (expat may report it in pieces).
+    Character data between two tags is one text node (expat may report it in pieces,
+    counted as they arrive: one 10 MB node was read whole, its pieces held at about
+    twelve times its size, before the size was first looked at).
     """
 
     def __init__(self) -> None:
         self.chars: list[str] = []
+        self.pending = 0  # characters in ``chars``
         self.text: list[str] = []
         self.title: list[str] = []
         self.size = 0
@@ -231,11 +234,16 @@ class _XmlText:
         self.flush()
         self.title_depth = max(0, self.title_depth - 1)
 
+    def data(self, piece: str) -> None:
+        self.chars.append(piece)
+        self.pending += len(piece)
+
     def flush(self) -> None:
         if not self.chars:
             return
         node = "".join(self.chars)
         self.chars.clear()
+        self.pending = 0
         self.text.append(node)
         self.size += len(node)
         if self.title_depth and self.title_chars < 2 * MAX_TITLE_CHARS:

@@ -600,6 +600,17 @@ def test_xml_is_read_as_a_stream_in_document_order():
         tracemalloc.stop()
     assert len(extracted.text) == search.MAX_TEXT_CHARS
     assert peak < 12 * 1024 * 1024, peak
+    # One text node of 10 MB: counted as its pieces arrive, not once it ends (helper-28
+    # #2: about 120 MB of pieces before the size was first looked at).
+    node = b"<doc><p>" + b"word " * 2_000_000 + b"</p></doc>"
+    tracemalloc.start()
+    try:
+        extracted = search.extract(node, "application/xml")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert len(extracted.text) == search.MAX_TEXT_CHARS
+    assert peak < 16 * 1024 * 1024, peak
 
 
 @pytest.mark.parametrize(
