@@ -131,7 +131,7 @@ def _check_recovery(
         message=lambda: f"locks still held\n{job_summary([job_id])}\n{pool.describe()}",
     )
     wait_until(
-        lambda: Job.objects.get(pk=job_id).state == State.SUCCEEDED,
+        lambda: Job.objects.get(pk=job_id).state in (State.SUCCEEDED, State.CANCELLED),
         max(1.0, BOUND + SLACK - (time.monotonic() - frozen_at)),
         interval=0.1,
         message=lambda: f"not completed in time\n{job_summary([job_id])}\n{pool.describe()}",
@@ -139,7 +139,14 @@ def _check_recovery(
     assert _frozen(frozen), "the holder must still be frozen: the others did not wait for it"
     job = Job.objects.get(pk=job_id)
     assert job.leases.get(lease_token=1).outcome == Outcome.LEASE_EXPIRED
-    assert job.leases.get(lease_token=2).worker_id == other.name
+    if job.state == State.CANCELLED:
+        # The request landed as the server ended the frozen session (the cancel had waited
+        # for the row), and the reclaim saw it before the withdrawal above: the job ended
+        # as the operator asked, at the reclaim, within the bound all the same.
+        assert cancelled is not None and row_locked, job_summary([job_id])
+        assert (job.last_error or "").startswith("cancelled on request"), job.last_error
+    else:
+        assert job.leases.get(lease_token=2).worker_id == other.name
 
     frozen.cont()
     # Continued, it finishes its sleep and meets the fence: its block and its completion
@@ -163,10 +170,14 @@ def _check_recovery(
     effects = list(
         Effect.objects.filter(job_id=job_id).order_by("pk").values_list("label", "lease_token")
     )
-    assert effects == [("progress", 2), ("complete", 2)], effects  # exactly one of each
-    assert Document.objects.get().refreshed == 1
     job = Job.objects.get(pk=job_id)
-    assert (job.state, job.lease_token) == (State.SUCCEEDED, 2)
+    if job.state == State.CANCELLED:  # ended at the reclaim (above): nothing of it committed
+        assert effects == [] and Document.objects.get().refreshed == 0, effects
+        assert job.lease_token == 1
+    else:
+        assert effects == [("progress", 2), ("complete", 2)], effects  # exactly one of each
+        assert Document.objects.get().refreshed == 1
+        assert (job.state, job.lease_token) == (State.SUCCEEDED, 2)
     for proc in (frozen, other):
         proc.terminate()
         assert proc.wait_exit(20) == 0, proc.describe()
