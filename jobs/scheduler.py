@@ -329,7 +329,7 @@ class SchedulerLoop:
         one worker and this scheduler, nobody else looked, and its job stayed running
         with every write refused until someone killed it by hand (I3)."""
         try:
-            self._frozen_watch.check(str(connection.settings_dict["NAME"]))
+            self._frozen_watch.check()
         except DatabaseError as exc:
             log.warning("frozen_holder_check_failed", error=str(exc).strip())
             connection.close()

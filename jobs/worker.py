@@ -497,7 +497,7 @@ class WorkerProcess:
 
     def _end_frozen_holder(self) -> None:
         """SQLite: one look of ``workers.FrozenHolderWatch`` at this database's lock."""
-        self._frozen_watch.check(str(connection.settings_dict["NAME"]))
+        self._frozen_watch.check()
 
     def _beat(self, state: _KeeperState) -> None:
         """Renew the current job's lease when due (or asked), and the worker's row."""

@@ -147,8 +147,13 @@ class FrozenHolderWatch:
         self._suspect: tuple[int, float] | None = None  # (pid, process start)
         self._suspect_since = 0.0  # monotonic: first found stopped with the lock
 
-    def check(self, database: str) -> list[str]:
-        """One look; returns the ids of the workers killed (none, or the holder's)."""
+    def check(self, database: str | None = None) -> list[str]:
+        """One look at ``database`` (default: this thread's connection's file); returns
+        the ids of the processes killed (none, or the holder's)."""
+        if database is None:
+            from django.db import connection
+
+            database = str(connection.settings_dict["NAME"])
         holder = write_lock_holder(database)
         found = service = None
         if holder is not None and holder != os.getpid():
@@ -249,11 +254,8 @@ def _argv(pid: int) -> list[str]:
 
 
 def _parent(pid: int) -> int | None:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-        return int(stat[stat.rindex(")") + 2 :].split()[1])
-    except (OSError, ValueError, IndexError):
-        return None
+    fields = _stat(pid)
+    return int(fields[1]) if fields else None
 
 
 def _kill_holder(worker_id: str, pid: int, job_ids: list[int], reason: str) -> list[str]:
@@ -303,8 +305,8 @@ def process_state(pid: int) -> tuple[str, float] | None:
     """A process's state letter (``R``, ``S``, ``T`` stopped, ``t`` traced…) and its start
     as a Unix time, from ``/proc``; None if it is gone or there is no ``/proc`` (not
     Linux: then nothing is ever signalled)."""
+    fields = _stat(pid)
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
         boot = next(
             int(line.split()[1])
             for line in Path("/proc/stat").read_text().splitlines()
@@ -312,5 +314,15 @@ def process_state(pid: int) -> tuple[str, float] | None:
         )
     except (OSError, StopIteration, ValueError, IndexError):
         return None
-    fields = stat[stat.rindex(")") + 2 :].split()  # after "pid (comm) "
+    if fields is None:
+        return None
     return fields[0], boot + int(fields[19]) / os.sysconf("SC_CLK_TCK")
+
+
+def _stat(pid: int) -> list[str] | None:
+    """The fields of ``/proc/<pid>/stat`` after ``pid (comm)``: state, parent pid, …"""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat[stat.rindex(")") + 2 :].split()
