@@ -20,9 +20,11 @@ import os
 import signal
 import subprocess
 import sys
+from contextlib import suppress
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
+import structlog
 from django.conf import settings
 
 from .log import get_logger
@@ -33,9 +35,9 @@ if TYPE_CHECKING:  # jobs.sql imports the models: not before django.setup() (__m
 log = get_logger("jobs.worker")
 
 
-def hand_over_release(job: Claimed, worker_id: str) -> bool:
-    """Start the process that releases ``job`` once this one has exited; False if it
-    could not be started (the lease then expires, and the attempt is charged)."""
+def hand_over_release(job: Claimed, worker_id: str) -> None:
+    """Start the process that releases ``job`` once this one has exited (if it cannot be
+    started, the lease expires, and the attempt is charged)."""
     fields = dataclasses.asdict(job)
     fields["lease_expires_at"] = job.lease_expires_at.isoformat()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(path for path in sys.path if path)}
@@ -49,14 +51,15 @@ def hand_over_release(job: Claimed, worker_id: str) -> bool:
         )
     except OSError as exc:
         log.error("release_handover_failed", job_id=job.id, error=str(exc))
-        return False
+        return
     log.warning("release_handed_over", job_id=job.id, lease_token=job.lease_token)
-    return True
 
 
 def release_handed_over(payload: str, worker_id: str) -> None:
     """The hand-over process: write the release (waiting for the worker's exit to free the
-    lock: the connection's busy timeout), fenced by the lease token."""
+    lock: the connection's busy timeout), fenced by the lease token. The engine logs it
+    (``job_released``, with the worker's id, or ``lease_lost`` if the job moved on), as it
+    logs every release."""
     from . import engine
     from .exceptions import LeaseLost
     from .sql import Claimed
@@ -65,13 +68,9 @@ def release_handed_over(payload: str, worker_id: str) -> None:
     fields["lease_expires_at"] = datetime.fromisoformat(fields["lease_expires_at"])
     fields["locks"] = tuple(fields["locks"])
     job = Claimed(**fields)
-    context = {"job_id": job.id, "kind": job.kind, "lease_token": job.lease_token}
-    try:
+    # LeaseLost: reclaimed or settled meanwhile, and the engine logged it (lease_lost).
+    with structlog.contextvars.bound_contextvars(worker_id=worker_id), suppress(LeaseLost):
         engine.release(job)
-    except LeaseLost:
-        log.warning("release_handover_late", **context, worker_id=worker_id)
-        return
-    log.info("job_released_after_exit", **context, worker_id=worker_id)
 
 
 if __name__ == "__main__":

@@ -156,3 +156,33 @@ def test_sigterm_releases_uncharged_a_job_whose_grace_ends_inside_ctx_atomic(
     (lease,) = Lease.objects.filter(job_id=job.pk)
     assert (lease.lease_token, lease.outcome) == (1, Outcome.RELEASED)
     assert not Effect.objects.filter(job_id=job.pk).exists()  # the block never committed
+    # The hand-over process logs the release as the engine does, under the worker's id
+    # (its stderr is the worker's).
+    worker.wait_for_event("release_handed_over", job_id=job.pk)
+    worker.wait_for_event("job_released", job_id=job.pk, worker_id="w1")
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_handed_over_release_that_comes_too_late_writes_nothing() -> None:
+    """The hand-over process finds the job no longer under the lease it was to release
+    (reclaimed, or settled meanwhile): the fenced release matches nothing, and the engine
+    says so."""
+    import dataclasses
+    import json
+
+    from structlog.testing import capture_logs
+
+    from jobs import engine, handover
+    from tests.integration.helpers import claim_one
+
+    job = enqueue("test.echo")
+    claimed = claim_one()
+    engine.complete(claimed, "done")
+    fields = dataclasses.asdict(claimed)
+    fields["lease_expires_at"] = claimed.lease_expires_at.isoformat()
+    with capture_logs() as logs:
+        handover.release_handed_over(json.dumps(fields), "w-gone")
+    [lost] = logs
+    assert (lost["event"], lost["during"]) == ("lease_lost", "job_released")
+    job.refresh_from_db()
+    assert (job.state, job.attempts) == (State.SUCCEEDED, 1)
