@@ -568,17 +568,14 @@ BATCH_IDLE_LIMIT = 10.0
 def _bound_statements(using: str, deadline: float | None) -> None:
     if connections[using].vendor != "postgresql":
         return
-    execute(
+    statement = None if deadline is None else f"{_remaining_ms(deadline)}ms"
+    execute(  # one round trip, both LOCAL to the batch; no deadline: the session's own
         using,
-        "SELECT set_config('idle_in_transaction_session_timeout', %s, true)",
-        [f"{int(BATCH_IDLE_LIMIT * 1000)}ms"],
+        "SELECT set_config('idle_in_transaction_session_timeout', %s, true),"
+        " set_config('statement_timeout',"
+        " COALESCE(%s::text, current_setting('statement_timeout')), true)",
+        [f"{int(BATCH_IDLE_LIMIT * 1000)}ms", statement],
     )
-    if deadline is not None:
-        execute(
-            using,
-            "SELECT set_config('statement_timeout', %s, true)",
-            [f"{_remaining_ms(deadline)}ms"],
-        )
 
 
 def _remaining_ms(deadline: float) -> int:
