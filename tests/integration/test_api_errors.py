@@ -306,6 +306,24 @@ def test_a_head_answer_keeps_the_length_and_drops_the_body():
     assert (head.content, head["Content-Length"]) == (b"", "12")
     get = answer(RequestFactory().get(API + "queue/"))
     assert get.content == b'{"ok": true}'
+    # Through the project's own WSGI stack (the test client strips HEAD bodies itself).
+    from io import BytesIO
+
+    from config.wsgi import application
+
+    started: list[tuple[str, list[tuple[str, str]]]] = []
+    environ = {  # an answer that reads no row: the handler's request_started closes the
+        "REQUEST_METHOD": "HEAD",  # test's connection
+        "PATH_INFO": API + "no-such-thing/",
+        "SERVER_NAME": "testserver",
+        "SERVER_PORT": "80",
+        "wsgi.input": BytesIO(),
+        "wsgi.url_scheme": "http",
+    }
+    body = b"".join(application(environ, lambda status, headers: started.append((status, headers))))
+    [(status, headers)] = started
+    assert (status[:3], body) == ("404", b""), (started, body)
+    assert int(dict(headers)["Content-Length"]) > 0  # the GET's length, as RFC 9110 allows
 
 
 def test_a_host_not_allowed_is_a_warning_without_a_traceback():

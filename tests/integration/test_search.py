@@ -581,6 +581,16 @@ def test_html_is_read_as_a_stream_and_its_tags_bounded():
     assert search.extract(flood, "text/html").text == "early"
 
 
+def _extracted_with_peak(body: bytes) -> tuple[search.Extracted, int]:
+    """The XML body's extraction, and the most memory Python held meanwhile."""
+    tracemalloc.start()
+    try:
+        extracted = search.extract(body, "application/xml")
+        return extracted, tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
 def test_xml_is_read_as_a_stream_in_document_order():
     """No tree (a 2 MB document took 41 MB as one, audit): expat's text nodes in order, the
     first title's (nested markup included) as the title, the rest not read past the cut."""
@@ -592,23 +602,13 @@ def test_xml_is_read_as_a_stream_in_document_order():
         "Tide tables", "Tide tables one & two later title three"
     )
     body = b"<doc>" + b"<p>word</p>" * 200_000 + b"</doc>"  # 2.2 MB
-    tracemalloc.start()
-    try:
-        extracted = search.extract(body, "application/xml")
-        peak = tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
+    extracted, peak = _extracted_with_peak(body)
     assert len(extracted.text) == search.MAX_TEXT_CHARS
     assert peak < 12 * 1024 * 1024, peak
     # One text node of 10 MB: counted as its pieces arrive, not once it ends (helper-28
     # #2: about 120 MB of pieces before the size was first looked at).
     node = b"<doc><p>" + b"word " * 2_000_000 + b"</p></doc>"
-    tracemalloc.start()
-    try:
-        extracted = search.extract(node, "application/xml")
-        peak = tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
+    extracted, peak = _extracted_with_peak(node)
     assert len(extracted.text) == search.MAX_TEXT_CHARS
     assert peak < 16 * 1024 * 1024, peak
 

@@ -105,6 +105,19 @@ def test_a_worker_frozen_inside_ctx_atomic_is_killed_and_its_job_completed_once(
     assert_engine_invariants(job_ids=[job.pk, *others_jobs], context=workers.describe())
 
 
+def _frozen_in_block_until_killed(worker: WorkerProc, tmp_path: Path, killer: WorkerProc) -> Job:
+    """A ``test.freezable`` job that ``worker`` claims; stopped inside its block, the worker
+    must be killed (SIGKILL) within the bound. Returns the job."""
+    marker = tmp_path / "attempt-1"
+    job = _freezable(marker, pause_in_block=4 * LEASE)
+    wait_for_marker(Path(f"{marker}.in-block"), worker)
+    worker.stop()
+    frozen_at = time.monotonic()
+    assert worker.wait_exit(BOUND + SLACK) == -signal.SIGKILL, killer.describe()
+    assert time.monotonic() - frozen_at <= BOUND + SLACK
+    return job
+
+
 def test_with_one_worker_the_scheduler_kills_it_when_it_freezes_inside_ctx_atomic(
     workers: WorkerPool, tmp_path: Path
 ) -> None:
@@ -115,13 +128,7 @@ def test_with_one_worker_the_scheduler_kills_it_when_it_freezes_inside_ctx_atomi
     scheduler = workers.spawn("scheduler", "runscheduler")
     scheduler.wait_for_event("scheduler_started", timeout=20)
     worker = workers.start("w-only")
-    marker = tmp_path / "attempt-1"
-    job = _freezable(marker, pause_in_block=4 * LEASE)
-    wait_for_marker(Path(f"{marker}.in-block"), worker)
-    worker.stop()
-    frozen_at = time.monotonic()
-    assert worker.wait_exit(BOUND + SLACK) == -signal.SIGKILL, scheduler.describe()
-    assert time.monotonic() - frozen_at <= BOUND + SLACK
+    job = _frozen_in_block_until_killed(worker, tmp_path, scheduler)
     [killed] = scheduler.events("frozen_worker_killed")
     assert (killed["worker_id"], killed["job_ids"]) == ("w-only", [job.pk])
     enqueueing.enqueue("test.echo")  # writes go through again
@@ -143,13 +150,7 @@ def test_a_frozen_holder_is_killed_in_time_by_a_worker_whose_own_heartbeats_it_b
     busy = enqueueing.enqueue("test.effect", {"sleep": 3 * LEASE}, max_attempts=1)
     wait_until(lambda: Job.objects.get(pk=busy.pk).state == State.RUNNING, 10)
     frozen = workers.start("w-frozen")
-    marker = tmp_path / "attempt-1"
-    job = _freezable(marker, pause_in_block=4 * LEASE)
-    wait_for_marker(Path(f"{marker}.in-block"), frozen)
-    frozen.stop()
-    frozen_at = time.monotonic()
-    assert frozen.wait_exit(BOUND + SLACK) == -signal.SIGKILL, healthy.describe()
-    assert time.monotonic() - frozen_at <= BOUND + SLACK
+    job = _frozen_in_block_until_killed(frozen, tmp_path, healthy)
     assert healthy.events("heartbeat_failed"), "the healthy worker never met the held lock"
     _wait_succeeded([busy.pk, job.pk])
     done = Job.objects.get(pk=busy.pk)
@@ -325,6 +326,23 @@ os.kill(os.getpid(), signal.SIGSTOP)
 """
 
 
+def _stopped_holding_the_lock(workers: WorkerPool, tmp_path: Path, command: str) -> WorkerProc:
+    """``manage.py COMMAND`` as ``FROZEN_SERVICE``: stopped, holding the write lock."""
+    from django.db import connection
+
+    marker = tmp_path / "holding"
+    script = tmp_path / "manage.py"
+    script.write_text(
+        FROZEN_SERVICE.format(database=connection.settings_dict["NAME"], marker=str(marker))
+    )
+    proc = WorkerProc(command, [sys.executable, str(script), command], workers.env, tmp_path)
+    workers.procs.append(proc)
+    wait_for_marker(marker, proc)
+    wait_until(proc._is_stopped, 10, message=proc.describe)
+    proc.stopped = True
+    return proc
+
+
 @pytest.mark.parametrize("command", ["runscheduler", "ingest_submissions"])
 def test_a_scheduler_or_ingester_frozen_with_the_lock_is_killed_by_a_worker(
     workers: WorkerPool, tmp_path: Path, command: str
@@ -332,19 +350,8 @@ def test_a_scheduler_or_ingester_frozen_with_the_lock_is_killed_by_a_worker(
     """Only workers (with a row) were killed: a frozen ``runscheduler`` or ingester held
     every write of the installation for as long as it stayed stopped (helper-27 #2). Their
     transactions are crash-safe (I5, I6), so a worker kills them as it kills a worker."""
-    from django.db import connection
-
     watcher = workers.start("w-watch")
-    marker = tmp_path / "holding"
-    script = tmp_path / "manage.py"
-    script.write_text(
-        FROZEN_SERVICE.format(database=connection.settings_dict["NAME"], marker=str(marker))
-    )
-    service = WorkerProc(command, [sys.executable, str(script), command], workers.env, tmp_path)
-    workers.procs.append(service)
-    wait_for_marker(marker, service)
-    wait_until(service._is_stopped, 10, message=service.describe)
-    service.stopped = True
+    service = _stopped_holding_the_lock(workers, tmp_path, command)
     assert service.wait_exit(4 * RECLAIM + SLACK) == -signal.SIGKILL, watcher.describe()
     [killed] = _killed([watcher], f"{command} (pid {service.pid})")
     assert killed["job_ids"] == [] and "for " in str(killed["reason"])
@@ -355,19 +362,8 @@ def test_a_scheduler_or_ingester_frozen_with_the_lock_is_killed_by_a_worker(
 def test_a_stopped_process_that_is_no_holdfast_service_is_left_alone(
     workers: WorkerPool, tmp_path: Path
 ) -> None:
-    from django.db import connection
-
     watcher = workers.start("w-watch")
-    marker = tmp_path / "holding"
-    script = tmp_path / "manage.py"
-    script.write_text(
-        FROZEN_SERVICE.format(database=connection.settings_dict["NAME"], marker=str(marker))
-    )
-    shell = WorkerProc("shell", [sys.executable, str(script), "shell"], workers.env, tmp_path)
-    workers.procs.append(shell)
-    wait_for_marker(marker, shell)
-    wait_until(shell._is_stopped, 10, message=shell.describe)
-    shell.stopped = True
+    shell = _stopped_holding_the_lock(workers, tmp_path, "shell")
     time.sleep(4 * RECLAIM)
     assert shell.alive and not _killed([watcher], f"shell (pid {shell.pid})")
     shell.kill()
